@@ -1,0 +1,165 @@
+"""Frozen, validated configuration for every component; CLI flags derive from these fields.
+
+This is the only module that reads environment variables. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "KVTransferConfig",
+    "RouterConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "cache_dir",
+    "field_help",
+]
+
+Role = Literal["both", "prefill", "decode"]
+ConnectorName = Literal["pull", "push"]
+TransportName = Literal["nixl", "tcp", "local"]
+FailurePolicy = Literal["fail", "recompute"]
+RouterMode = Literal["aggregated", "pull", "push"]
+PolicyName = Literal["round_robin", "least_loaded"]
+
+
+def cache_dir() -> Path:
+    """Where converted models and generated checkpoints live (DISAGG_CACHE_DIR overrides)."""
+    env = os.environ.get("DISAGG_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "disagg"
+
+
+def _check_choice(name: str, value: object, kind: Any) -> None:
+    allowed = get_args(kind)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    max_model_len: int = 4096  # prompt + output tokens per request
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 1024  # KV blocks in the pool (one tensor; see model_runner)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_positive(self, "num_blocks")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferConfig:
+    role: Role = "both"
+    connector: ConnectorName = "pull"  # ignored when role == "both"
+    transport: TransportName = "nixl"
+    host: str = "127.0.0.1"  # address peers use to reach this instance's KV side channel
+    side_port: int = 0  # KV side-channel port; 0 = pick a free one
+    engine_id: str = ""  # "" = derived from host and port at start
+    lease_s: float = 30.0  # P keeps blocks this long for a pull that never comes
+    reservation_timeout_s: float = 30.0  # D frees a reservation P never wrote
+    transfer_timeout_s: float = 20.0  # a posted transfer that has not finished by then fails
+    failure_policy: FailurePolicy = "fail"  # on a failed transfer: error, or prefill on D
+
+    def __post_init__(self) -> None:
+        _check_choice("role", self.role, Role)
+        _check_choice("connector", self.connector, ConnectorName)
+        _check_choice("transport", self.transport, TransportName)
+        _check_choice("failure_policy", self.failure_policy, FailurePolicy)
+        _check_positive(self, "lease_s", "reservation_timeout_s", "transfer_timeout_s")
+        if not 0 <= self.side_port < 65536:
+            raise ValueError(f"side_port must be in [0, 65535], got {self.side_port}")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.role != "both"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    model: str = "smollm2-135m"  # short name or Hugging Face directory
+    served_model_name: str = ""  # "" = the model argument
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    seed: int = 0
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    mode: RouterMode = "aggregated"  # aggregated: decode_urls serve whole requests
+    policy: PolicyName = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    load_poll_interval_s: float = 0.05  # how often least_loaded refreshes /load
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, RouterMode)
+        _check_choice("policy", self.policy, PolicyName)
+        if not self.decode_urls:
+            raise ValueError("decode_urls must name at least one instance")
+        if self.mode != "aggregated" and not self.prefill_urls:
+            raise ValueError(f"mode {self.mode} needs at least one prefill url")
+        _check_positive(self, "load_poll_interval_s", "request_timeout_s")
+
+
+def field_help(cls: type) -> dict[str, tuple[Any, str]]:
+    """Field name -> (default, type name), for deriving CLI flags from a config class."""
+    out: dict[str, tuple[Any, str]] = {}
+    for f in fields(cls):
+        default = f.default if f.default is not MISSING else None
+        out[f.name] = (default, str(f.type))
+    return out

@@ -1,0 +1,175 @@
+"""Wire types shared by every part: sampling parameters, KV transfer parameters, engine outputs.
+
+Pure Python, no torch: the router, the benchmark and the simulator import this module too.
+Field names of `KVTransferParams` follow vLLM's so proxies and tools written for it carry over.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "FinishReason",
+    "KVTransferParams",
+    "RequestOutput",
+    "SamplingParams",
+    "TTFTBreakdown",
+]
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client went away or an operator aborted it
+    ERROR = "error"  # the request failed (e.g. KV transfer failed under policy `fail`)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    max_tokens: int = 16  # tokens to generate; >= 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int | None = None  # None = disabled
+    seed: int | None = None  # per-request generator seed; None = engine's stream
+    stop: tuple[str, ...] = ()  # stop strings (checked on detokenized text)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS/stop ids are ignored before this many tokens
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, minimum=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise TypeError("stop must be a string or a list of strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise TypeError("stop_token_ids must be a list of integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _check_int(name: str, value: object, *, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+@dataclass(slots=True, kw_only=True)
+class KVTransferParams:
+    """The `kv_transfer_params` object on a request or response (names as vLLM's).
+
+    Request to P: `do_remote_decode=True` (keep the KV for a decode instance).
+    Response from P (pull) / request to D: `do_remote_prefill=True` plus where the KV lives.
+    Push: both legs carry the same fresh `transfer_id`; D's leg names P (`remote_*`).
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None  # P's engine id (pull) / peer engine id (push)
+    remote_host: str | None = None  # P's KV side-channel host
+    remote_port: int | None = None  # P's KV side-channel port
+    remote_block_ids: list[int] | None = None  # P's blocks holding the prompt KV (pull)
+    remote_request_id: str | None = None  # the request id on P
+    transfer_id: str | None = None  # push: one fresh id per dispatch, keys the two legs
+    num_prompt_tokens: int | None = None  # tokens whose KV P computed
+    first_token_id: int | None = None  # the token P sampled; D emits it as its first token
+    connector: str | None = None  # "pull" | "push": both legs must agree
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVTransferParams:
+        if not isinstance(raw, dict):
+            raise TypeError("kv_transfer_params must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_params fields: {unknown}")
+        params = cls(**raw)
+        params._validate()
+        return params
+
+    def _validate(self) -> None:
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"kv_transfer_params.{name} must be a boolean")
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("do_remote_decode and do_remote_prefill are exclusive")
+        ids = self.remote_block_ids
+        if ids is not None and (
+            not isinstance(ids, list) or not all(type(b) is int and b >= 0 for b in ids)
+        ):
+            raise TypeError("kv_transfer_params.remote_block_ids must be a list of block ids")
+        if self.remote_port is not None and type(self.remote_port) is not int:
+            raise TypeError("kv_transfer_params.remote_port must be an integer")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(slots=True)
+class TTFTBreakdown:
+    """Critical-path timings of one request, in seconds (None = stage not on this path).
+
+    Filled by each instance for its own stages; the router merges P's and D's.
+    """
+
+    queue_s: float | None = None  # arrival -> first scheduled (P, or aggregated)
+    prefill_s: float | None = None  # first scheduled -> first token sampled
+    handoff_setup_s: float | None = None  # allocation + descriptor prep + post (on the path)
+    transfer_s: float | None = None  # post -> bytes landed
+    decode_wait_s: float | None = None  # KV landed -> first decode step scheduled at D
+    first_step_s: float | None = None  # first decode step at D
+    num_descriptors: int | None = None
+    num_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def merge(self, other: TTFTBreakdown) -> TTFTBreakdown:
+        mine, theirs = asdict(self), asdict(other)
+        return TTFTBreakdown(**{k: mine[k] if mine[k] is not None else theirs[k] for k in mine})
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request's output, produced by the engine loop for the server.
+
+    `new_token_ids` holds only the tokens generated since the previous output of this request.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None  # None while still running
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a remote prefill
+    kv_transfer_params: dict[str, Any] | None = None  # returned to the caller when finished
+    error: str | None = None  # why, when finish_reason is ERROR
+    breakdown: TTFTBreakdown = field(default_factory=TTFTBreakdown)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
