@@ -1,0 +1,42 @@
+"""`disagg <command>`: one entry point; each command lives in the module that owns it.
+
+Modules are imported lazily so that `disagg route` and `disagg bench` never import torch.
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("disagg.server.main", "run one engine instance (role both, prefill or decode)"),
+    "route": ("disagg.router.main", "run the OpenAI-compatible router in front of instances"),
+    "up": ("disagg.launcher", "start a local cluster (router + instances) and wait"),
+    "bench": ("disagg.bench.main", "load-test any OpenAI-compatible server"),
+    "make-model": ("disagg.engine.make_model", "write a random-weight checkpoint"),
+    "convert": ("disagg.engine.checkpoint", "resolve a short model name to a local directory"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="disagg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints help or the error, then exits
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"disagg {argv[0]}", description=COMMANDS[argv[0]][1])
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""What the HTTP server needs from an engine: the contract between the asyncio side and the loop.
+
+The real implementation is `disagg.engine.async_engine.AsyncEngine` (an engine-loop thread behind
+asyncio queues); tests use a fake with the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
+
+__all__ = ["EngineClient", "EngineOverloadedError"]
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine cannot take this request now (e.g. a push reservation cannot be satisfied)."""
+
+
+class EngineClient(Protocol):
+    model_name: str  # the name served in /v1/models and checked against `model` in requests
+    max_model_len: int  # prompt + max_tokens must fit
+    eos_token_ids: tuple[int, ...]
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request; yields deltas until one with finish_reason set.
+        Raises ValueError for a request the engine refuses (e.g. duplicate id)."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (client gone, stop string hit). Idempotent; frees its blocks."""
+        ...
+
+    def load(self) -> dict[str, int]:
+        """{"num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
+        "num_queued_prefill_tokens"}; cheap, thread-safe snapshot."""
+        ...
+
+    def is_healthy(self) -> bool:
+        """False once the engine loop died."""
+        ...
+
+    def kv_info(self) -> dict[str, Any]:
+        """Identity for peers and the router: {"engine_id", "role", "connector", "kv_host",
+        "kv_port", "block_size", ...}; {"role": "both"} when not disaggregated."""
+        ...
