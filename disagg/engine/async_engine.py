@@ -1,0 +1,188 @@
+"""The asyncio face of an engine: one loop thread steps the engine; the HTTP side talks to it
+through a command queue (add/abort) and per-request asyncio queues (outputs).
+
+The loop thread never touches asyncio objects except through `call_soon_threadsafe`; the
+asyncio side never touches the scheduler. Implements `disagg.server.engine_client.EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from disagg.config import EngineConfig
+from disagg.protocol import FinishReason, KVTransferParams, RequestOutput, SamplingParams
+
+__all__ = ["AsyncEngine"]
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # nothing to do: sleep until woken (new request) or this long
+_KV_POLL_S = 0.0005  # only transfers in flight: poll them this often without spinning a core
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.model_dir = str(model_dir)
+        self.model_name = config.model_name
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None  # why the loop died
+        self._load: dict[str, int] = {}
+        self.engine: Any = None  # disagg.engine.engine.Engine, built in start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        from disagg.engine.engine import Engine  # torch is imported here, not at module load
+
+        self._loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(
+            Engine, self.config, self.model_dir, wake=self._wakeup.set
+        )
+        self.max_model_len = self.engine.max_model_len
+        self.eos_token_ids = tuple(self.engine.spec.eos_token_ids)
+        self.vocab_size = self.engine.spec.vocab_size
+        self._load = self.engine.scheduler.load()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        if self.engine is not None:
+            self.engine.close()
+
+    # ------------------------------------------------------------------ EngineClient
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self._validate(request_id, prompt_token_ids, sampling)
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = outputs
+        self._send("add", (request_id, prompt_token_ids, sampling, kv_transfer_params))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.is_finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)  # the caller went away mid-request
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def load(self) -> dict[str, int]:
+        return dict(self._load)
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    def kv_info(self) -> dict[str, Any]:
+        connector = self.engine.connector if self.engine is not None else None
+        if connector is None:
+            return {"role": "both", "model": self.model_name}
+        return connector.info()
+
+    def extra_routes(self) -> list[Any]:
+        connector = self.engine.connector if self.engine is not None else None
+        return connector.http_routes() if connector is not None else []
+
+    def _validate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        if self._dead is not None:
+            raise RuntimeError(f"engine is dead: {self._dead}")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the context length {self.max_model_len}"
+            )
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_work:
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._load = self.engine.scheduler.load()
+                if outputs:
+                    self._publish(outputs)
+                elif not self.engine.scheduler.has_unfinished:
+                    self._wakeup.wait(_KV_POLL_S)  # only KV in flight: poll, don't spin
+                    self._wakeup.clear()
+        except Exception as exc:  # the loop must report its death, not vanish
+            log.exception("engine loop died")
+            self._dead = f"{type(exc).__name__}: {exc}"
+            self._fail_all()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(*payload)
+            else:
+                self.engine.abort(payload)
+
+    def _add(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, params: Any
+    ) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, sampling, params)
+        except ValueError as exc:
+            error = RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
+            self._publish([error])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._queues.get(output.request_id)
+            if target is not None:  # no listener: the caller already has its answer
+                target.put_nowait(output)
+
+    def _fail_all(self) -> None:
+        assert self._loop is not None
+        reason = f"engine loop died: {self._dead}"
+        errors = [
+            RequestOutput(rid, [], finish_reason=FinishReason.ERROR, error=reason)
+            for rid in list(self._queues)
+        ]
+        self._loop.call_soon_threadsafe(self._dispatch, errors)

@@ -1,0 +1,128 @@
+"""Paged KV blocks: reference counts, an LRU of free blocks, and prefix caching by block hash.
+
+Pure Python (block ids and token ids only). A block whose ref count drops to zero stays
+cached (its hash still maps to it) until allocation needs it: free-but-cached blocks count as
+free. Eviction takes the least recently freed block first.
+
+    free queue (OrderedDict, oldest first):  [unhashed ... | cached, oldest freed ... newest]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+__all__ = ["BlockPool", "hash_block_tokens"]
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Hash of a full block, chained to its parent so equal blocks at different positions
+    (or after different prefixes) never collide by construction."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: dict[int, int] = {}  # block id -> hash (cached blocks only)
+        self._block_of: dict[int, int] = {}  # hash -> block id
+        self.num_cache_hits = 0  # blocks served from the cache since start (metrics)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks (ref count 1), evicting cached ones oldest first."""
+        assert self.can_allocate(num_blocks), f"allocate({num_blocks}) with {len(self._free)} free"
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._uncache(block_id)
+            self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block. Pass a request's blocks in order: they are
+        queued tail first, so the end of a sequence is evicted before its shared prefix."""
+        for block_id in reversed(block_ids):
+            count = self._ref_counts[block_id]
+            assert count > 0, f"free of block {block_id} with ref count {count}"
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free[block_id] = None
+                if block_id not in self._hash_of:
+                    self._free.move_to_end(block_id, last=False)  # reuse uncached ones first
+
+    def lookup(self, block_hashes: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `block_hashes` (not referenced yet)."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for block_hash in block_hashes:
+            block_id = self._block_of.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Reference cached blocks found by lookup() (taking them off the free queue)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        self.num_cache_hits += len(block_ids)
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Publish a full, computed block under its hash (first writer wins)."""
+        if not self.enable_caching or block_id in self._hash_of:
+            return
+        assert self._ref_counts[block_id] > 0, f"caching unreferenced block {block_id}"
+        if block_hash not in self._block_of:
+            self._block_of[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data, just not their names)."""
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def _uncache(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+
+    def check_integrity(self) -> None:
+        """Raise with the disagreeing numbers if the books do not balance."""
+        free_ids = set(self._free)
+        zero_ids = {b for b, c in enumerate(self._ref_counts) if c == 0}
+        if free_ids != zero_ids:
+            raise AssertionError(
+                f"free queue {len(free_ids)} blocks != ref-count-zero {len(zero_ids)} blocks; "
+                f"only in queue: {sorted(free_ids - zero_ids)[:8]}, "
+                f"only zero: {sorted(zero_ids - free_ids)[:8]}"
+            )
+        if any(c < 0 for c in self._ref_counts):
+            raise AssertionError(f"negative ref counts: {[c for c in self._ref_counts if c < 0]}")
+        if len(self._hash_of) != len(self._block_of) or any(
+            self._block_of.get(h) != b for b, h in self._hash_of.items()
+        ):
+            raise AssertionError(
+                f"hash maps disagree: {len(self._hash_of)} blocks vs {len(self._block_of)} hashes"
+            )

@@ -1,0 +1,92 @@
+"""One engine instance: scheduler + KV connector + model runner, stepped by one thread.
+
+`Engine.step()` is the architecture diagram: schedule -> start KV loads -> run the model ->
+poll KV transfers -> update. It is not thread-safe; `AsyncEngine` calls it from its loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from disagg.config import EngineConfig
+from disagg.engine.block_pool import BlockPool
+from disagg.engine.model_runner import ModelRunner
+from disagg.engine.request import Request
+from disagg.engine.scheduler import Scheduler
+from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from disagg.kv.connector import KVConnector
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_dir: str, *, wake: object = None) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, model_dir)
+        self.spec = self.runner.spec
+        self.max_model_len = min(config.scheduler.max_model_len, self.spec.max_position_embeddings)
+        capacity = config.cache.num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"num_blocks * block_size = {capacity} tokens cannot hold one request of "
+                f"max_model_len {self.max_model_len}; raise num_blocks or lower max_model_len"
+            )
+        self.block_pool = BlockPool(
+            config.cache.num_blocks, enable_caching=config.scheduler.enable_prefix_caching
+        )
+        self.connector = self._make_connector(wake)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_pool,
+            config.cache.block_size,
+            eos_token_ids=tuple(self.spec.eos_token_ids),
+            connector=self.connector,
+        )
+        self.num_steps = 0
+
+    def _make_connector(self, wake: object) -> KVConnector | None:
+        if not self.config.kv_transfer.is_disaggregated:
+            return None
+        from disagg.kv.factory import make_connector  # imports the transport only when needed
+
+        return make_connector(self.config, self.runner, wake=wake)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> None:
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            arrival_s=time.monotonic(),
+            kv_transfer_params=kv_transfer_params,
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id, time.monotonic())
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished or self.scheduler.has_kv_pending
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule(time.monotonic())
+        if self.connector is not None:
+            self.connector.start_load(sched.kv_meta)  # pull: READ posted here, inline
+        runner_out = self.runner.execute(sched)
+        if self.connector is not None:
+            runner_out.kv = self.connector.get_finished()
+        self.num_steps += 1
+        return self.scheduler.update(sched, runner_out, time.monotonic())
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()

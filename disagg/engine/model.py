@@ -1,0 +1,143 @@
+"""Llama / Qwen2 / Qwen3 decoder as a plain nn.Module (parameter names as Hugging Face's).
+
+No serving logic: the module maps flat token ids to hidden states and reads/writes K/V only
+through the `attention` callable the runner passes in (paged attention over the KV cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.rope import apply_rope
+
+__all__ = ["AttentionFn", "CausalLM"]
+
+# (layer index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> attention output [N, Hq, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 as the reference does, then cast back (matters for bf16).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        hidden, d = spec.hidden_size, spec.head_dim
+        bias = spec.has_qkv_bias
+        self.q_proj = nn.Linear(hidden, spec.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, spec.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, spec.num_kv_heads * d, bias=bias)
+        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
+        self.o_proj = nn.Linear(
+            spec.num_heads * d, hidden, bias=bias and spec.architecture == "llama"
+        )
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per-head norm before RoPE
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(self.layer_index, q, k, v)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_index)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] flat tokens of every scheduled request
+        cos: torch.Tensor,  # [N, D]
+        sin: torch.Tensor,  # [N, D]
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only the rows that sample go through the vocabulary projection (the largest matmul
+        of a small model), in fp32 so sampling sees the same numbers in every dtype."""
+        return self.lm_head(hidden).float()  # [num_sampled, vocab]
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.spec.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        elif "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+            raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        missing, unexpected = self.load_state_dict(weights, strict=False)
+        missing = [
+            m for m in missing if not (self.spec.tie_word_embeddings and m == "lm_head.weight")
+        ]
+        unexpected = [u for u in unexpected if "rotary_emb" not in u]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )

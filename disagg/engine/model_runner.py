@@ -1,0 +1,225 @@
+"""The only place lists become tensors: owns the model, the KV cache tensor and the sampler.
+
+KV cache layout (one tensor, so a block of all layers is contiguous and one transfer
+descriptor per block moves a request's KV):
+
+    kv[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
+
+Attention: new K/V are scattered into their slots, then each prefill chunk attends over its
+gathered blocks (causal, offset by the cached prefix) and all decodes attend in one padded
+batch. SDPA does the math, so the same code runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from disagg.config import EngineConfig
+from disagg.engine.checkpoint import ModelSpec, load_weights
+from disagg.engine.model import CausalLM
+from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from disagg.engine.rope import cos_sin, inv_freq_and_scale
+from disagg.engine.sampler import Sampler
+
+__all__ = ["ModelRunner"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Prefill:
+    token_start: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    start_pos: int  # tokens already cached before the chunk
+    block_ids: torch.Tensor  # [num_blocks_used] long
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    slot_blocks: torch.Tensor  # [N] block of each new token
+    slot_offsets: torch.Tensor  # [N] offset inside that block
+    prefills: list[_Prefill]
+    decode_start: int  # rows >= decode_start are single-token decodes
+    decode_tables: torch.Tensor | None  # [B, max_blocks] long, padded with block 0
+    decode_lens: torch.Tensor | None  # [B] context length including the new token
+    sample_rows: torch.Tensor  # [S] rows whose hidden state is sampled
+    sampled: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.spec = ModelSpec.from_dir(model_dir)
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks
+        self.model = self._load_model(model_dir)
+        inv_freq, self.rope_scale = inv_freq_and_scale(self.spec)
+        self.inv_freq = inv_freq.to(self.device)
+        spec = self.spec
+        self.kv_cache = torch.zeros(
+            (
+                self.num_blocks,
+                spec.num_layers,
+                2,
+                self.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler(self.device, config.seed)
+
+    def _load_model(self, model_dir: str) -> CausalLM:
+        with torch.device("meta"):
+            model = CausalLM(self.spec)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(load_weights(model_dir, self.dtype, str(self.device)))
+        if self.spec.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval()
+
+    # ------------------------------------------------------------------ KV buffer facts
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.kv_cache[0].numel() * self.kv_cache.element_size()
+
+    @property
+    def kv_base_addr(self) -> int:
+        return self.kv_cache.data_ptr()
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if sched.is_empty:
+            return RunnerOutput()
+        inputs = self._prepare(sched.requests)
+        cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+
+        def attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            return self._attention(layer, q, k, v, inputs)
+
+        hidden = self.model(inputs.input_ids, cos, sin, attention)
+        if not inputs.sampled:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        params = [s.sampling for s in inputs.sampled]
+        tokens = self.sampler(logits, params, [s.output_index for s in inputs.sampled])
+        return RunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
+        )
+
+    def _prepare(self, requests: list[ScheduledRequest]) -> _StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        prefills: list[_Prefill] = []
+        decodes: list[ScheduledRequest] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        bs = self.block_size
+        for req in requests:
+            row = len(ids)
+            n = len(req.token_ids)
+            ids.extend(req.token_ids)
+            for pos in range(req.start_pos, req.start_pos + n):
+                positions.append(pos)
+                slot_blocks.append(req.block_ids[pos // bs])
+                slot_offsets.append(pos % bs)
+            if n == 1:
+                decodes.append(req)
+            else:
+                assert not decodes, "prefill chunks must precede decodes in the batch"
+                used = req.block_ids[: -(-(req.start_pos + n) // bs)]
+                prefills.append(_Prefill(row, n, req.start_pos, self._long(used)))
+            if req.do_sample:
+                sample_rows.append(row + n - 1)
+                sampled.append(req)
+        tables, lens = self._decode_tables(decodes)
+        return _StepInputs(
+            input_ids=self._long(ids),
+            positions=self._long(positions),
+            slot_blocks=self._long(slot_blocks),
+            slot_offsets=self._long(slot_offsets),
+            prefills=prefills,
+            decode_start=len(ids) - len(decodes),
+            decode_tables=tables,
+            decode_lens=lens,
+            sample_rows=self._long(sample_rows),
+            sampled=sampled,
+        )
+
+    def _decode_tables(
+        self, decodes: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decodes:
+            return None, None
+        lens = [d.start_pos + 1 for d in decodes]
+        width = -(-max(lens) // self.block_size)
+        rows = [d.block_ids[:width] + [0] * (width - min(width, len(d.block_ids))) for d in decodes]
+        return self._long(rows), self._long(lens)
+
+    def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------ attention
+
+    def _attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: _StepInputs
+    ) -> torch.Tensor:
+        kv = self.kv_cache
+        kv[inputs.slot_blocks, layer, 0, inputs.slot_offsets] = k
+        kv[inputs.slot_blocks, layer, 1, inputs.slot_offsets] = v
+        out = torch.empty_like(q)  # [N, Hq, D]
+        for chunk in inputs.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill_attention(layer, q[rows], chunk)
+        if inputs.decode_tables is not None:
+            out[inputs.decode_start :] = self._decode_attention(
+                layer, q[inputs.decode_start :], inputs
+            )
+        return out
+
+    def _gather(self, layer: int, which: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K or V of `block_ids` for one layer -> [..., num_blocks * block_size, Hkv, D]."""
+        blocks = self.kv_cache[block_ids, layer, which]  # [..., nb, bs, Hkv, D]
+        return blocks.flatten(-4, -3)
+
+    def _prefill_attention(self, layer: int, q: torch.Tensor, chunk: _Prefill) -> torch.Tensor:
+        ctx = chunk.start_pos + chunk.num_tokens
+        k = self._gather(layer, 0, chunk.block_ids)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+        v = self._gather(layer, 1, chunk.block_ids)[:ctx].transpose(0, 1)
+        qh = q.transpose(0, 1)  # [Hq, n, D]
+        if chunk.start_pos == 0:
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
+            key_pos = torch.arange(ctx, device=q.device)
+            query_pos = torch.arange(chunk.start_pos, ctx, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, ctx]
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
+        assert inputs.decode_tables is not None and inputs.decode_lens is not None
+        k = self._gather(layer, 0, inputs.decode_tables).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self._gather(layer, 1, inputs.decode_tables).transpose(1, 2)
+        key_pos = torch.arange(k.shape[2], device=q.device)
+        mask = (key_pos[None, :] < inputs.decode_lens[:, None])[:, None, None, :]  # [B,1,1,T]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=True
+        )
+        return out[:, :, 0, :]  # [B, Hq, D]

@@ -1,0 +1,417 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Pure Python: requests, block ids and token counts in; a SchedulerOutput out; RunnerOutput back
+in `update()`. Time is passed in by the caller, never read here. Requests whose KV is in
+flight are states (WAITING_FOR_REMOTE_KV, WAITING_FOR_KV_SEND), never sleeps or flags.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from disagg.config import SchedulerConfig
+from disagg.engine.block_pool import BlockPool, hash_block_tokens
+from disagg.engine.outputs import KVConnectorOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from disagg.engine.request import Request, RequestStatus
+from disagg.kv.connector import KVConnector
+from disagg.protocol import RequestOutput
+
+__all__ = ["Scheduler"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_pool: BlockPool,
+        block_size: int,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.connector = connector
+        self.requests: dict[str, Request] = {}  # every request not yet released
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.sending: dict[str, Request] = {}  # WAITING_FOR_KV_SEND
+        self.draining: dict[str, Request] = {}  # aborted; blocks held until a transfer settles
+        self._finished_ids: set[str] = set()  # for the runner, next step
+        self._pending_outputs: list[RequestOutput] = []  # produced outside update()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Abort a request wherever it is. Returns False if unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def has_kv_pending(self) -> bool:
+        return bool(self.waiting_for_kv or self.sending or self.draining)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget, now)
+        if not preempted:
+            self._schedule_waiting(out, budget, now)
+        # Decodes last keeps prefill chunks contiguous at the front of the batch.
+        out.requests.sort(key=lambda s: len(s.token_ids) == 1)
+        out.num_scheduled_tokens = sum(len(s.token_ids) for s in out.requests)
+        if self.connector is not None:
+            out.kv_meta = self.connector.build_meta()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._can_grow(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self._grow(request, num_new)
+            out.requests.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.needs_remote_kv and request.num_computed_tokens == 0:
+                if not self._reserve_for_remote_kv(request, now):
+                    return
+                continue
+            if not request.block_ids:
+                self._match_prefix(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._can_grow(request, num_new):
+                self._release_prefix(request)
+                return
+            self.waiting.popleft()
+            self._grow(request, num_new)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = now
+                request.breakdown.queue_s = now - request.arrival_s
+            self.running.append(request)
+            out.requests.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _reserve_for_remote_kv(self, request: Request, now: float) -> bool:
+        """Decode side: allocate blocks for the prompt (+ the first token) and hand them to
+        the connector. Returns False when the pool cannot hold them yet."""
+        assert self.connector is not None, "remote prefill requested without a KV connector"
+        num_external = self.connector.get_num_new_matched_tokens(request)
+        num_blocks = _cdiv(request.num_prompt_tokens + 1, self.block_size)
+        if not self.block_pool.can_allocate(num_blocks):
+            return False
+        self.waiting.popleft()
+        request.block_ids = self.block_pool.allocate(num_blocks)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.first_scheduled_s = now
+        request.breakdown.queue_s = now - request.arrival_s
+        self.waiting_for_kv[request.request_id] = request
+        self.connector.on_blocks_allocated(request, request.block_ids, num_external)
+        return True
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + num_new),
+            start_pos=start,
+            block_ids=request.block_ids,
+            do_sample=start + num_new == request.num_tokens,
+            sampling=request.sampling,
+            output_index=request.num_output_tokens,
+        )
+
+    # ------------------------------------------------------------------ blocks
+
+    def _num_blocks_to_grow(self, request: Request, num_new: int) -> int:
+        needed = _cdiv(request.num_computed_tokens + num_new, self.block_size)
+        return max(0, needed - len(request.block_ids))
+
+    def _can_grow(self, request: Request, num_new: int) -> bool:
+        return self.block_pool.can_allocate(self._num_blocks_to_grow(request, num_new))
+
+    def _grow(self, request: Request, num_new: int) -> None:
+        request.block_ids.extend(
+            self.block_pool.allocate(self._num_blocks_to_grow(request, num_new))
+        )
+
+    def _match_prefix(self, request: Request) -> None:
+        """Reuse cached blocks of the prompt's prefix; at least one token is left to compute
+        so the step that reaches the end can sample."""
+        bs = self.block_size
+        num_full = (request.num_tokens - 1) // bs
+        hashes = _chain_hashes(request, num_full, bs)
+        hits = self.block_pool.lookup(hashes)
+        self.block_pool.touch(hits)
+        request.block_ids = list(hits)
+        request.block_hashes = hashes[: len(hits)]
+        request.num_computed_tokens = len(hits) * bs
+        request.num_cached_tokens = max(request.num_cached_tokens, len(hits) * bs)
+
+    def _release_prefix(self, request: Request) -> None:
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        for index in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block_tokens(
+                parent, request.token_slice(index * bs, (index + 1) * bs)
+            )
+            request.block_hashes.append(block_hash)
+            self.block_pool.cache(request.block_ids[index], block_hash)
+
+    def _preempt(self, request: Request) -> None:
+        self._release_prefix(request)
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _free_blocks(self, request: Request) -> None:
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+
+    # ------------------------------------------------------------------ update
+
+    def update(
+        self, sched: SchedulerOutput, runner: RunnerOutput, now: float
+    ) -> list[RequestOutput]:
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        for scheduled in sched.requests:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            request.num_computed_tokens += len(scheduled.token_ids)
+            self._cache_full_blocks(request)
+            token = runner.sampled_token_ids.get(scheduled.request_id)
+            if token is None:
+                continue
+            self._append_token(request, token, now)
+            outputs.append(self._output(request))
+        self._apply_kv(runner.kv, now)
+        outputs.extend(self._pending_outputs)
+        self._pending_outputs = []
+        return outputs
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        if request.num_output_tokens == 0 and request.breakdown.prefill_s is None:
+            request.breakdown.prefill_s = now - (request.first_scheduled_s or now)
+        request.output_token_ids.append(token)
+        status = self._stop_status(request, token)
+        if status is not None:
+            self._finish(request, status, now, emit=False)
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if request.num_output_tokens >= sampling.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < sampling.min_tokens:
+            return None
+        if token in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not sampling.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _apply_kv(self, kv: KVConnectorOutput, now: float) -> None:
+        for request_id in kv.finished_recving:
+            self._on_kv_received(request_id, kv.first_token_ids.get(request_id), now)
+        for request_id, reason in kv.failed.items():
+            self._on_kv_failed(request_id, reason, now)
+        for request_id in kv.finished_sending:
+            self._on_kv_sent(request_id)
+        for request_id in kv.finished_recving | kv.finished_sending | set(kv.failed):
+            self._settle_draining(request_id)
+
+    def _on_kv_received(self, request_id: str, first_token: int | None, now: float) -> None:
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return
+        params = request.kv_transfer_params
+        request.needs_remote_kv = False
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = request.num_prompt_tokens
+        self._cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if first_token is None and params is not None:
+            first_token = params.first_token_id
+        if first_token is not None:
+            # P sampled the first token with the same parameters; carry it instead of
+            # recomputing the last prompt token here (one step less on the TTFT path).
+            self._append_token(request, first_token, now)
+            self._pending_outputs.append(self._output(request))
+        else:
+            request.num_computed_tokens -= 1  # recompute the last prompt token to sample
+
+    def _on_kv_failed(self, request_id: str, reason: str, now: float) -> None:
+        """The connector reports `failed` only once no transfer can still touch the blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status is RequestStatus.WAITING_FOR_KV_SEND:
+            del self.sending[request_id]
+            self._free_blocks(request)  # the caller already has its answer
+            self._release(request)
+            return
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            return
+        if reason.startswith("recompute:"):
+            # Policy `recompute`: prefill locally from the prompt, as if never disaggregated.
+            del self.waiting_for_kv[request_id]
+            self._free_blocks(request)
+            request.needs_remote_kv = False
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            return
+        request.error = reason
+        self._finish(request, RequestStatus.FINISHED_ERROR, now)
+
+    def _on_kv_sent(self, request_id: str) -> None:
+        request = self.sending.pop(request_id, None)
+        if request is not None:
+            self._free_blocks(request)
+            self._release(request)
+
+    def _settle_draining(self, request_id: str) -> None:
+        request = self.draining.pop(request_id, None)
+        if request is not None:
+            self._free_blocks(request)
+            self._release(request)
+
+    # ------------------------------------------------------------------ finish
+
+    def _finish(
+        self, request: Request, status: RequestStatus, now: float, emit: bool = True
+    ) -> None:
+        """Move a request to a finished state and decide what happens to its blocks."""
+        previous = request.status
+        request.status = status
+        request.finish_status = status
+        self._unlink(request, previous)
+        if previous in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_KV_SEND):
+            assert self.connector is not None
+            if self.connector.request_aborted(request):
+                self.draining[request.request_id] = request  # a transfer may still land
+            else:
+                self._free_blocks(request)
+                self._release(request)
+        else:
+            self._finish_computed(request)
+        if emit:
+            self._pending_outputs.append(self._output(request))
+
+    def _finish_computed(self, request: Request) -> None:
+        params = None
+        keep = False
+        if self.connector is not None and request.status is not RequestStatus.FINISHED_ERROR:
+            keep, params = self.connector.request_finished(request)
+        request.kv_result = params
+        if keep:
+            self.sending[request.request_id] = request
+            request.status = RequestStatus.WAITING_FOR_KV_SEND
+        else:
+            self._free_blocks(request)
+            self._release(request)
+
+    def _unlink(self, request: Request, previous: RequestStatus) -> None:
+        if previous is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif previous in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        elif previous is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request.request_id]
+        elif previous is RequestStatus.WAITING_FOR_KV_SEND:
+            del self.sending[request.request_id]
+
+    def _release(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    def _output(self, request: Request) -> RequestOutput:
+        new_tokens = request.output_token_ids[request.num_emitted_tokens :]
+        request.num_emitted_tokens = request.num_output_tokens
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=request.finish_status.finish_reason if request.finish_status else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_transfer_params=request.kv_result,
+            error=request.error,
+            breakdown=request.breakdown,
+        )
+
+    # ------------------------------------------------------------------ observability
+
+    def load(self) -> dict[str, int]:
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        # A running request with more than one token left is mid-prefill (decodes have one).
+        queued += sum(
+            left for r in self.running if (left := r.num_tokens - r.num_computed_tokens) > 1
+        )
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting) + len(self.waiting_for_kv),
+            "num_free_blocks": self.block_pool.num_free_blocks,
+            "num_total_blocks": self.block_pool.num_blocks,
+            "num_queued_prefill_tokens": queued,
+        }
+
+
+def _chain_hashes(request: Request, num_blocks: int, block_size: int) -> list[int]:
+    hashes: list[int] = []
+    parent = None
+    for index in range(num_blocks):
+        parent = hash_block_tokens(
+            parent, request.token_slice(index * block_size, (index + 1) * block_size)
+        )
+        hashes.append(parent)
+    return hashes
