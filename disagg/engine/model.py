@@ -46,10 +46,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, spec.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(hidden, spec.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(hidden, spec.num_kv_heads * d, bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
-        self.o_proj = nn.Linear(
-            spec.num_heads * d, hidden, bias=bias and spec.architecture == "llama"
-        )
+        self.o_proj = nn.Linear(spec.num_heads * d, hidden, bias=spec.has_o_bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
 

@@ -180,28 +180,30 @@ class ModelRunner:
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: _StepInputs
     ) -> torch.Tensor:
-        kv = self.kv_cache
-        kv[inputs.slot_blocks, layer, 0, inputs.slot_offsets] = k
-        kv[inputs.slot_blocks, layer, 1, inputs.slot_offsets] = v
+        # One scatter writes K and V together: kv[b, layer, :, off] is [2, Hkv, D].
+        self.kv_cache[inputs.slot_blocks, layer, :, inputs.slot_offsets] = torch.stack((k, v), 1)
         out = torch.empty_like(q)  # [N, Hq, D]
         for chunk in inputs.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill_attention(layer, q[rows], chunk)
+            out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], chunk)
         if inputs.decode_tables is not None:
-            out[inputs.decode_start :] = self._decode_attention(
-                layer, q[inputs.decode_start :], inputs
-            )
+            start = inputs.decode_start
+            out[start:] = self._decode_attention(layer, q[start:], inputs)
         return out
 
-    def _gather(self, layer: int, which: int, block_ids: torch.Tensor) -> torch.Tensor:
-        """K or V of `block_ids` for one layer -> [..., num_blocks * block_size, Hkv, D]."""
-        blocks = self.kv_cache[block_ids, layer, which]  # [..., nb, bs, Hkv, D]
-        return blocks.flatten(-4, -3)
+    def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `block_ids` for one layer, one gather -> each [..., nb * bs, Hkv, D]."""
+        blocks = self.kv_cache[block_ids, layer]  # [..., nb, 2, bs, Hkv, D]
+        k, v = blocks.unbind(-4)  # [..., nb, bs, Hkv, D]
+        return k.flatten(-4, -3), v.flatten(-4, -3)
 
-    def _prefill_attention(self, layer: int, q: torch.Tensor, chunk: _Prefill) -> torch.Tensor:
+    def _prefill_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: _Prefill
+    ) -> torch.Tensor:
         ctx = chunk.start_pos + chunk.num_tokens
-        k = self._gather(layer, 0, chunk.block_ids)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        v = self._gather(layer, 1, chunk.block_ids)[:ctx].transpose(0, 1)
+        if chunk.start_pos > 0:  # a cached prefix or earlier chunks: read them from the cache
+            k, v = self._gather(layer, chunk.block_ids)
+        k, v = k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
         qh = q.transpose(0, 1)  # [Hq, n, D]
         if chunk.start_pos == 0:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
@@ -215,8 +217,8 @@ class ModelRunner:
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
         assert inputs.decode_tables is not None and inputs.decode_lens is not None
-        k = self._gather(layer, 0, inputs.decode_tables).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self._gather(layer, 1, inputs.decode_tables).transpose(1, 2)
+        k, v = self._gather(layer, inputs.decode_tables)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = (key_pos[None, :] < inputs.decode_lens[:, None])[:, None, None, :]  # [B,1,1,T]
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,242 @@
+"""Typed records of the instances behind the router, and the background task that keeps them fresh.
+
+Owns each instance's health (`/health`), load (`/load`) and KV identity (`/kv_info`), and turns a
+policy's choice into an `Instance`. Must not proxy requests (app.py) nor rank instances (policy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import yarl
+
+from disagg.config import RouterConfig
+from disagg.router.policy import InstanceRole, InstanceView, Load, Policy, make_policy
+
+__all__ = ["HEALTH_POLL_INTERVAL_S", "Instance", "InstancePool", "KVInfo", "normalize_url"]
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_INTERVAL_S = 0.5  # how often /health is probed; load polling has its own interval
+PROBE_TIMEOUT_S = 2.0  # one /health, /load or /kv_info probe
+LATE_BINDING_TIMEOUT_S = 0.5  # /load refresh on a request's path: stale beats a slow TTFT
+
+PoolName = Literal["prefill", "decode"]
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if it is no base URL."""
+    url = url.strip().rstrip("/")
+    url = url if "://" in url else f"http://{url}"
+    try:
+        parsed = yarl.URL(url)
+        is_ok = parsed.scheme in ("http", "https") and bool(parsed.host)
+    except (ValueError, TypeError):
+        is_ok = False
+    if not is_ok:
+        raise ValueError(f"instance URL must look like http://host:port, got {url!r}")
+    return url
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVInfo:
+    """An instance's `GET /kv_info`: who it is on the KV side channel."""
+
+    role: str  # "prefill" | "decode" | "both"
+    engine_id: str | None = None
+    connector: str | None = None  # "pull" | "push"; None when role is "both"
+    kv_host: str | None = None  # KV side-channel address peers connect to
+    kv_port: int | None = None
+    block_size: int | None = None  # tokens per KV block
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVInfo:
+        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
+            raise ValueError(f"kv_info must be an object with a string role, got {raw!r}")
+        port = raw.get("kv_port")
+        if port is not None and type(port) is not int:
+            raise ValueError(f"kv_info.kv_port must be an integer, got {port!r}")
+        names = ("engine_id", "connector", "kv_host", "block_size", "model")
+        return cls(role=raw["role"], kv_port=port, **{n: raw.get(n) for n in names})
+
+    @property
+    def is_addressable(self) -> bool:
+        """True when a peer can reach this instance's KV (push needs it of P)."""
+        return bool(self.engine_id) and bool(self.kv_host) and self.kv_port is not None
+
+
+@dataclass(slots=True)
+class Instance:
+    """The router's live record of one instance. Mutated only by InstancePool."""
+
+    url: str  # base URL, no trailing slash
+    role: InstanceRole
+    is_healthy: bool = False
+    load: Load | None = None  # last /load answer; None until one arrives or after a failure
+    num_pending: int = 0  # requests routed here since `load` was taken
+    kv_info: KVInfo | None = None  # cached /kv_info; dropped when the instance goes unhealthy
+
+    def view(self) -> InstanceView:
+        return InstanceView(
+            url=self.url,
+            role=self.role,
+            is_healthy=self.is_healthy,
+            load=self.load,
+            num_pending=self.num_pending,
+        )
+
+
+class InstancePool:
+    """All instances of one router, in two pools: `prefill` (P legs), `decode` (D or aggregated)."""
+
+    def __init__(self, cfg: RouterConfig, *, health_interval_s: float = HEALTH_POLL_INTERVAL_S):
+        self.cfg = cfg
+        self.health_interval_s = health_interval_s
+        is_aggregated = cfg.mode == "aggregated"
+        # In aggregated mode prefill URLs are unused: decode instances serve whole requests.
+        prefill_urls = () if is_aggregated else cfg.prefill_urls
+        self.prefill = [Instance(url=normalize_url(u), role="prefill") for u in prefill_urls]
+        decode_role: InstanceRole = "both" if is_aggregated else "decode"
+        self.decode = [Instance(url=normalize_url(u), role=decode_role) for u in cfg.decode_urls]
+        self._policies: dict[PoolName, Policy] = {
+            "prefill": make_policy(cfg.policy),
+            "decode": make_policy(cfg.policy),
+        }
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefill, *self.decode]
+
+    @property
+    def uses_load(self) -> bool:
+        return self.cfg.policy == "least_loaded"
+
+    def is_ready(self) -> bool:
+        """At least one healthy instance in every pool this mode needs."""
+        pools = [self.decode] if self.cfg.mode == "aggregated" else [self.prefill, self.decode]
+        return all(any(inst.is_healthy for inst in pool) for pool in pools)
+
+    def pick(self, pool: PoolName) -> Instance:
+        """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy."""
+        candidates = self.prefill if pool == "prefill" else self.decode
+        chosen = candidates[self._policies[pool].choose([inst.view() for inst in candidates])]
+        chosen.num_pending += 1
+        return chosen
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Probe every instance once (so the first request sees real health), then poll."""
+        self._session = session
+        await self.poll_health()
+        self._task = asyncio.create_task(self._poll_forever(), name="router-instance-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def mark_unhealthy(self, inst: Instance, reason: str) -> None:
+        if inst.is_healthy:
+            logger.warning("instance %s (%s) unhealthy: %s", inst.url, inst.role, reason)
+        inst.is_healthy = False
+        inst.load = None
+        inst.kv_info = None  # a restarted instance may come back with a new KV identity
+
+    async def poll_health(self) -> None:
+        await asyncio.gather(*(self._probe_health(inst) for inst in self.instances))
+
+    async def refresh_load(
+        self, instances: Sequence[Instance], timeout_s: float = PROBE_TIMEOUT_S
+    ) -> None:
+        """Fetch /load of the healthy ones now; a failed fetch keeps the previous snapshot."""
+        healthy = [inst for inst in instances if inst.is_healthy]
+        await asyncio.gather(*(self._probe_load(inst, timeout_s) for inst in healthy))
+
+    async def get_kv_info(self, inst: Instance) -> KVInfo:
+        """Cached /kv_info; fetched on a miss. Raises aiohttp.ClientError, TimeoutError or
+        ValueError when the instance cannot tell."""
+        if inst.kv_info is None:
+            inst.kv_info = KVInfo.from_dict(await self._get_json(inst, "/kv_info", PROBE_TIMEOUT_S))
+            _warn_on_mismatch(inst, inst.kv_info, self.cfg.mode)
+        return inst.kv_info
+
+    async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_health_s = loop.time() + self.health_interval_s
+        interval_s = self.health_interval_s
+        if self.uses_load:
+            interval_s = min(interval_s, self.cfg.load_poll_interval_s)
+        while True:
+            await asyncio.sleep(interval_s)
+            if loop.time() >= next_health_s:
+                next_health_s = loop.time() + self.health_interval_s
+                await self.poll_health()
+            if self.uses_load:
+                await self.refresh_load(self.instances)
+
+    async def _probe_health(self, inst: Instance) -> None:
+        assert self._session is not None, "InstancePool.start() not called"
+        url = f"{inst.url}/health"
+        try:
+            timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            async with self._session.get(url, timeout=timeout) as resp:
+                is_ok = resp.status == 200
+                reason = f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            is_ok, reason = False, f"/health failed: {exc!r}"
+        if not is_ok:
+            self.mark_unhealthy(inst, reason)
+        elif not inst.is_healthy:
+            await self._on_healthy(inst)
+
+    async def _on_healthy(self, inst: Instance) -> None:
+        """Transition to healthy: refresh what a restart may have changed before routing to it."""
+        inst.kv_info = None
+        if inst.role != "both":
+            try:
+                await self.get_kv_info(inst)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                # Not fatal: push fetches it again on the request path.
+                logger.warning("instance %s: /kv_info failed: %r", inst.url, exc)
+        if self.uses_load and not await self._probe_load(inst, PROBE_TIMEOUT_S):
+            return  # gone again between /health and /load
+        inst.is_healthy = True
+        logger.info("instance %s (%s) healthy", inst.url, inst.role)
+
+    async def _probe_load(self, inst: Instance, timeout_s: float) -> bool:
+        """Refresh `inst.load`; False when the instance could not be reached at all."""
+        try:
+            load = Load.from_dict(await self._get_json(inst, "/load", timeout_s))
+        except aiohttp.ClientConnectionError as exc:
+            self.mark_unhealthy(inst, f"/load failed: {exc!r}")
+            return False
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.debug("instance %s: /load failed: %r", inst.url, exc)
+            return True
+        inst.load = load
+        inst.num_pending = 0  # the snapshot now counts what we had sent
+        return True
+
+    async def _get_json(self, inst: Instance, path: str, timeout_s: float) -> Any:
+        assert self._session is not None, "InstancePool.start() not called"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session.get(f"{inst.url}{path}", timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
+
+def _warn_on_mismatch(inst: Instance, info: KVInfo, mode: str) -> None:
+    if info.role != inst.role:
+        logger.warning("instance %s is listed as %s but reports %s", inst.url, inst.role, info.role)
+    if inst.role != "both" and info.connector not in (None, mode):
+        logger.warning(
+            "instance %s runs connector %s, router mode is %s", inst.url, info.connector, mode
+        )

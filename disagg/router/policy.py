@@ -1,0 +1,146 @@
+"""Routing policies: choose one instance of a role from plain records of health and load.
+
+Pure: no I/O, no clocks, no aiohttp. The app builds `InstanceView`s from live records and
+asks a policy for an index; polling and HTTP live in `instances.py` and `app.py`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "InstanceRole",
+    "InstanceView",
+    "LeastLoadedPolicy",
+    "Load",
+    "NoHealthyInstanceError",
+    "Policy",
+    "RoundRobinPolicy",
+    "make_policy",
+]
+
+# "both" = an aggregated instance that prefills and decodes its own requests.
+InstanceRole = Literal["prefill", "decode", "both"]
+
+_LOAD_FIELDS = (
+    "num_running",
+    "num_waiting",
+    "num_free_blocks",
+    "num_total_blocks",
+    "num_queued_prefill_tokens",
+)
+
+
+class NoHealthyInstanceError(RuntimeError):
+    """No candidate can take the request; the app answers 503."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load:
+    """One `/load` snapshot of an instance (counts at the moment it answered)."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, including those waiting for remote KV
+    num_free_blocks: int  # KV blocks free in the pool
+    num_total_blocks: int  # KV blocks in the pool
+    num_queued_prefill_tokens: int  # prompt tokens not yet prefilled, over all requests
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Load:
+        """Parse an instance's `/load` answer; raises ValueError on a missing or bad field."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"load must be an object, got {type(raw).__name__}")
+        values: dict[str, int] = {}
+        for name in _LOAD_FIELDS:
+            value = raw.get(name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"load.{name} must be an integer >= 0, got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceView:
+    """What a policy sees of one instance."""
+
+    url: str
+    role: InstanceRole
+    is_healthy: bool
+    load: Load | None = None  # None until the first /load answer
+    num_pending: int = 0  # requests this router sent it since `load` was taken
+
+
+class Policy(abc.ABC):
+    """Chooses among the candidates of one role. One policy object per role: it may keep state
+    (a rotation counter) but never does I/O."""
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[InstanceView]) -> int:
+        """Index into `candidates` of the chosen instance; unhealthy ones are never chosen.
+        Raises NoHealthyInstanceError when none is healthy."""
+
+
+class RoundRobinPolicy(Policy):
+    def __init__(self) -> None:
+        self._num_chosen = 0
+
+    def choose(self, candidates: Sequence[InstanceView]) -> int:
+        healthy = _healthy_indices(candidates)
+        index = healthy[self._num_chosen % len(healthy)]
+        self._num_chosen += 1
+        return index
+
+
+class LeastLoadedPolicy(Policy):
+    """Lowest load key wins (see `load_key`); ties rotate so equal instances share the work."""
+
+    def __init__(self) -> None:
+        self._num_ties = 0
+
+    def choose(self, candidates: Sequence[InstanceView]) -> int:
+        healthy = _healthy_indices(candidates)
+        keys = {i: load_key(candidates[i]) for i in healthy}
+        best = min(keys.values())
+        tied = [i for i in healthy if keys[i] == best]
+        index = tied[self._num_ties % len(tied)]
+        self._num_ties += 1
+        return index
+
+
+def load_key(view: InstanceView) -> tuple[int, ...]:
+    """Sort key, smaller is less loaded. An instance without a snapshot sorts after all others.
+
+    Prefill: queued prompt tokens dominate (they are the wait before this prompt starts), then
+    queued requests. Decode: requests in the batch or queued, then fewer free blocks is worse.
+    `num_pending` counts what we sent since the snapshot, so a burst between two polls spreads out
+    instead of piling onto the instance that looked idle.
+    """
+    load = view.load
+    if load is None:
+        return (1,)
+    if view.role == "prefill":
+        return (0, load.num_queued_prefill_tokens, load.num_waiting + view.num_pending)
+    num_requests = load.num_running + load.num_waiting + view.num_pending
+    if view.role == "both":
+        return (0, num_requests, load.num_queued_prefill_tokens, -load.num_free_blocks)
+    return (0, num_requests, -load.num_free_blocks)
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy object for one role; `name` as in RouterConfig.policy."""
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    raise ValueError(f"policy must be round_robin or least_loaded, got {name!r}")
+
+
+def _healthy_indices(candidates: Sequence[InstanceView]) -> list[int]:
+    healthy = [i for i, view in enumerate(candidates) if view.is_healthy]
+    if not healthy:
+        roles = sorted({view.role for view in candidates}) or ["any"]
+        raise NoHealthyInstanceError(f"no healthy {'/'.join(roles)} instance")
+    return healthy

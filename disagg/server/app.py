@@ -1,0 +1,388 @@
+"""Per-instance HTTP app: OpenAI-compatible generation endpoints plus /health, /load, /kv_info,
+/metrics, /v1/models and the internal POST /v1/abort.
+
+Owns a request's life at the HTTP boundary: validate, tokenize, submit, stream, and abort the engine
+request on every exit but a normal finish (client gone, stop string, failure). Must not do engine
+work or block the event loop; it only talks to the engine through `EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from disagg.protocol import RequestOutput
+from disagg.server.engine_client import EngineClient, EngineOverloadedError
+from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
+from disagg.server.openai_api import (
+    APIError,
+    GenerateRequest,
+    ResponseMeta,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    make_sampling_params,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+    resolve_max_tokens,
+    sse_event,
+    usage_chunk,
+    usage_dict,
+)
+from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.tokenizer import Tokenizer
+
+__all__ = ["make_app", "start_server"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_BODY_BYTES = 64 * 1024 * 1024  # long token-id prompts; aiohttp's default is 1 MiB
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+Submit = Callable[[], AsyncIterator[RequestOutput]]
+Emit = Callable[[TextDelta], Awaitable[None]]
+
+
+def make_app(
+    engine: EngineClient, tokenizer: Tokenizer, *, extra_routes: Sequence[web.RouteDef] = ()
+) -> web.Application:
+    """The instance's app. Serve it with `start_server` (or any runner created with
+    handler_cancellation=True, so a client that goes away cancels its handler)."""
+    server = _Server(engine, tokenizer)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=_MAX_BODY_BYTES)
+    app.add_routes(
+        [
+            web.post("/v1/completions", server.completions),
+            web.post("/v1/chat/completions", server.chat_completions),
+            web.get("/v1/models", server.models),
+            web.post("/v1/abort", server.abort),
+            web.get("/health", server.health),
+            web.get("/load", server.load),
+            web.get("/kv_info", server.kv_info),
+            web.get("/metrics", server.metrics),
+        ]
+    )
+    app.add_routes(extra_routes)
+    return app
+
+
+async def start_server(
+    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 5.0
+) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0 = a free port); returns the runner (call `cleanup()` to stop) and
+    the bound port. Handler cancellation is on: it is how a vanished client aborts its request."""
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = int(runner.addresses[0][1])
+    return runner, bound_port
+
+
+@web.middleware
+async def _error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure leaves in the OpenAI error shape, including aiohttp's own 404/405/413."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        allow = exc.headers.get("Allow")
+        return _error_response(error, headers={"Allow": allow} if allow else None)
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(APIError(500, "internal server error", code="internal_error"))
+
+
+def _error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Run:
+    """One generation request in flight at the HTTP layer."""
+
+    meta: ResponseMeta
+    request: GenerateRequest
+    num_prompt_tokens: int
+    processor: OutputProcessor
+    arrival_s: float  # time.monotonic() at arrival
+    first_token_s: float | None = None  # first output token seen (monotonic)
+    last_output: RequestOutput | None = None  # latest engine delta (breakdown, kv params)
+    num_chunks_sent: int = 0
+    is_refused: bool = False  # the engine refused it: never accepted, so nothing to abort
+
+    def process(self, output: RequestOutput) -> TextDelta:
+        if self.first_token_s is None and output.new_token_ids:
+            self.first_token_s = time.monotonic()
+        self.last_output = output
+        return self.processor.process(output)
+
+    @property
+    def is_engine_finished(self) -> bool:
+        return self.last_output is not None and self.last_output.is_finished
+
+    def usage(self) -> dict[str, int]:
+        return usage_dict(self.num_prompt_tokens, self.processor.num_output_tokens)
+
+    def final_extra(self) -> dict[str, Any]:
+        """Our additions to the body / final chunk: returned kv params and the TTFT breakdown."""
+        last = self.last_output
+        extra: dict[str, Any] = {"disagg": {"breakdown": last.breakdown.to_dict() if last else {}}}
+        if last is not None and last.is_finished and last.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = last.kv_transfer_params
+        return extra
+
+    def chunk(self, step: TextDelta) -> dict[str, Any] | None:
+        """The SSE chunk for one step, or None when it carries nothing."""
+        if not step.text and step.finish_reason is None:
+            return None
+        extra = self.final_extra() if step.finish_reason is not None else {}
+        self.num_chunks_sent += 1
+        if not self.request.is_chat:
+            return completion_chunk(self.meta, step.text, step.finish_reason, extra)
+        delta = {"content": step.text} if step.text else {}
+        if self.num_chunks_sent == 1:
+            delta = {"role": "assistant", "content": step.text}
+        return chat_chunk(self.meta, delta, step.finish_reason, extra)
+
+
+class _Server:
+    """Route handlers over one engine and one tokenizer."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._metrics = ServerMetrics(engine)
+        self._created = int(time.time())
+
+    # ---- OpenAI generation ------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat_request)
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[Mapping[str, Any]], GenerateRequest]
+    ) -> web.StreamResponse:
+        arrival_s = time.monotonic()
+        req = parse(parse_json_body(await request.read()))
+        if req.model is not None and req.model != self._engine.model_name:
+            raise APIError(
+                404, f"model {req.model!r} does not exist", code="model_not_found", param="model"
+            )
+        prompt_ids = self._prompt_ids(req)
+        max_tokens = resolve_max_tokens(req, len(prompt_ids), self._engine.max_model_len)
+        sampling = make_sampling_params(req, max_tokens)
+        meta = ResponseMeta(_request_id(request), self._engine.model_name, int(time.time()))
+        run = _Run(
+            meta=meta,
+            request=req,
+            num_prompt_tokens=len(prompt_ids),
+            processor=OutputProcessor(self._tokenizer, prompt_ids, sampling.stop),
+            arrival_s=arrival_s,
+        )
+
+        def submit() -> AsyncIterator[RequestOutput]:
+            args = (meta.request_id, prompt_ids, sampling, req.kv_transfer_params)
+            return self._engine.generate(*args)
+
+        if req.stream:
+            return await self._stream(request, run, submit)
+        return await self._complete(run, submit)
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            vocab_size = self._tokenizer.vocab_size
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                message = f"token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}"
+                raise APIError(400, message, code="invalid_value", param="prompt")
+            return req.prompt_token_ids
+        if req.messages is not None:
+            try:
+                text = self._tokenizer.apply_chat_template(req.messages, req.add_generation_prompt)
+            except ValueError as exc:
+                raise APIError(400, str(exc), code="invalid_value", param="messages") from exc
+            ids = self._tokenizer.encode(text, add_special_tokens=False)  # the template has BOS
+        else:
+            assert req.prompt is not None, "parser guarantees prompt or prompt_token_ids"
+            ids = self._tokenizer.encode(req.prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty after tokenization", code="invalid_value")
+        return ids
+
+    async def _complete(self, run: _Run, submit: Submit) -> web.Response:
+        await self._drive(run, submit, _ignore)
+        build = chat_body if run.request.is_chat else completion_body
+        finish_reason = run.processor.finish_reason
+        assert finish_reason is not None, f"{run.meta.request_id}: drive returned unfinished"
+        body = build(run.meta, run.processor.text, finish_reason, run.usage(), run.final_extra())
+        return web.json_response(body, headers={"X-Request-Id": run.meta.request_id})
+
+    async def _stream(self, request: web.Request, run: _Run, submit: Submit) -> web.StreamResponse:
+        # Headers go out with the first engine output, so a refusal can still be a plain 4xx/503.
+        response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": run.meta.request_id})
+
+        async def emit(step: TextDelta) -> None:
+            if not response.prepared:
+                await response.prepare(request)
+            if (chunk := run.chunk(step)) is not None:
+                await response.write(sse_event(chunk))
+
+        try:
+            await self._stream_body(response, run, submit, emit)
+        except ConnectionResetError:
+            logger.info("%s: client went away mid-stream", run.meta.request_id)
+        return response
+
+    async def _stream_body(
+        self, response: web.StreamResponse, run: _Run, submit: Submit, emit: Emit
+    ) -> None:
+        try:
+            await self._drive(run, submit, emit)
+        except APIError as exc:
+            if not response.prepared:
+                raise  # nothing sent yet: the middleware answers with a plain error status
+            await response.write(sse_event(exc.body()))
+        else:
+            if run.request.include_usage:
+                object_name = "chat.completion.chunk" if run.request.is_chat else "text_completion"
+                await response.write(sse_event(usage_chunk(run.meta, object_name, run.usage())))
+        await response.write(sse_event("[DONE]"))
+        await response.write_eof()
+
+    async def _drive(self, run: _Run, submit: Submit, emit: Emit) -> None:
+        """Feed engine outputs through the processor to `emit` until the request finishes.
+
+        Raises APIError for refusals and failures. On every exit except a finish the engine
+        reported itself (cancellation when the client left, a write error, a stop string, an
+        error), the engine request is aborted so its blocks are freed."""
+        outcome = "abort"  # what metrics record if we leave without a finish reason
+        outputs: AsyncIterator[RequestOutput] | None = None
+        try:
+            outputs = _submit(run, submit)
+            while (output := await _next_output(run, outputs)) is not None:
+                step = run.process(output)
+                if step.finish_reason == "error":
+                    raise APIError(500, step.error or "request failed", code="request_failed")
+                await emit(step)
+                if step.finish_reason is not None:
+                    return
+            raise APIError(500, "engine ended the request without a finish", code="internal_error")
+        except APIError:
+            outcome = "error"
+            raise
+        finally:
+            await self._end(run, outputs, outcome)
+
+    async def _end(
+        self, run: _Run, outputs: AsyncIterator[RequestOutput] | None, outcome: str
+    ) -> None:
+        if not (run.is_engine_finished or run.is_refused or outputs is None):
+            # Shielded: this often runs in a handler that was just cancelled (client gone).
+            await asyncio.shield(self._engine.abort(run.meta.request_id))
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        last = run.last_output
+        self._metrics.observe_finished(
+            finish_reason=run.processor.finish_reason or outcome,
+            num_prompt_tokens=run.num_prompt_tokens,
+            num_output_tokens=run.processor.num_output_tokens,
+            arrival_s=run.arrival_s,
+            first_token_s=run.first_token_s,
+            finish_s=time.monotonic(),
+            breakdown=last.breakdown if last is not None else None,
+        )
+
+    # ---- instance endpoints -----------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self._engine.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "disagg",
+            "max_model_len": self._engine.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        """Internal: the router aborts a request whose client left. Unknown ids are fine."""
+        body = parse_json_body(await request.read())
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise APIError(400, "request_id must be a non-empty string", param="request_id")
+        await self._engine.abort(request_id)
+        return web.json_response({"request_id": request_id, "aborted": True})
+
+    async def health(self, request: web.Request) -> web.Response:
+        is_healthy = self._engine.is_healthy()
+        body = {"status": "ok" if is_healthy else "engine dead"}
+        return web.json_response(body, status=200 if is_healthy else 503)
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response(self._engine.load())
+
+    async def kv_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._engine.kv_info())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get("X-Request-Id", "").strip() or f"cmpl-{uuid.uuid4().hex}"
+
+
+def _submit(run: _Run, submit: Submit) -> AsyncIterator[RequestOutput]:
+    try:
+        return submit()
+    except Exception as exc:
+        raise _engine_error(run, exc) from exc
+
+
+async def _next_output(run: _Run, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """The next engine delta, None when the iterator ends; engine exceptions become APIError."""
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+    except Exception as exc:
+        raise _engine_error(run, exc) from exc
+
+
+def _engine_error(run: _Run, exc: Exception) -> APIError:
+    # Per EngineClient: ValueError = the engine refused this request; overload = try later.
+    # A refused id may belong to another live request (duplicate id): it must not be aborted.
+    if isinstance(exc, EngineOverloadedError):
+        run.is_refused = True
+        return APIError(503, str(exc) or "engine overloaded", code="engine_overloaded")
+    if isinstance(exc, ValueError):
+        run.is_refused = True
+        return APIError(400, str(exc), code="request_refused")
+    logger.error("%s: engine failed", run.meta.request_id, exc_info=exc)
+    return APIError(500, f"engine error: {type(exc).__name__}", code="internal_error")
+
+
+async def _ignore(step: TextDelta) -> None:
+    return None

@@ -1,0 +1,425 @@
+"""OpenAI API wire format: parse and validate request bodies, build response bodies and SSE chunks.
+
+Owns the error shape and every 4xx decision that needs neither tokenizer nor engine (the app checks
+vocabulary and context length). Must not touch the engine, the tokenizer or aiohttp: pure functions
+over JSON values, so the router can reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.protocol import KVTransferParams, SamplingParams
+
+__all__ = [
+    "APIError",
+    "GenerateRequest",
+    "ResponseMeta",
+    "chat_body",
+    "chat_chunk",
+    "completion_body",
+    "completion_chunk",
+    "error_body",
+    "make_sampling_params",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_json_body",
+    "resolve_max_tokens",
+    "sse_event",
+    "usage_dict",
+    "usage_chunk",
+]
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Chat defaults to "the rest of the context"; capped so a model that never emits EOS cannot hold a
+# slot for the whole context on a small machine.
+MAX_DEFAULT_CHAT_TOKENS = 1024
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Parameters we accept only at their no-op value: silently ignoring them would change the output.
+_NOOP_VALUES: dict[str, object] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_p": 0,
+}
+
+
+class APIError(Exception):
+    """A request that fails with an HTTP status and the OpenAI error shape."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+
+def error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """{"error": {"message", "type", "param", "code"}} as OpenAI returns it (its 404 for an
+    unknown model is an invalid_request_error too; `code` tells the cases apart)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """A validated /v1/completions or /v1/chat/completions body (prompt not yet tokenized)."""
+
+    is_chat: bool
+    model: str | None  # None = whatever this server serves
+    prompt: str | None = None  # completions, text form
+    prompt_token_ids: list[int] | None = None  # completions, token form (ids not yet range-checked)
+    messages: list[dict[str, str]] | None = None  # chat; content flattened to one string
+    add_generation_prompt: bool = True
+    max_tokens: int | None = (
+        None  # None = endpoint default, resolved once the prompt length is known
+    )
+    sampling: SamplingParams  # validated; its max_tokens is a placeholder until resolved
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    kv_transfer_params: KVTransferParams | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """Fields every body and chunk of one response repeats."""
+
+    request_id: str
+    model: str
+    created: int  # unix seconds, fixed at arrival
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Request bytes -> JSON object. NaN/Infinity are refused (they slip through range checks)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_completion_request(body: Mapping[str, Any]) -> GenerateRequest:
+    _reject_unsupported(body)
+    if body.get("echo"):
+        raise _unsupported("echo")
+    if body.get("logprobs") is not None:
+        raise _unsupported("logprobs")
+    if body.get("suffix") is not None:
+        raise _unsupported("suffix")
+    prompt, prompt_token_ids = _parse_prompt(body.get("prompt"))
+    return GenerateRequest(
+        is_chat=False,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        max_tokens=_max_tokens(body, "max_tokens"),
+        **_common_fields(body),
+    )
+
+
+def parse_chat_request(body: Mapping[str, Any]) -> GenerateRequest:
+    _reject_unsupported(body)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _unsupported("logprobs")
+    if body.get("tools"):
+        raise _unsupported("tools")
+    if body.get("continue_final_message"):
+        raise _unsupported("continue_final_message")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _unsupported("response_format")
+    max_tokens = _max_tokens(body, "max_completion_tokens")
+    add_generation_prompt = _opt_bool(body, "add_generation_prompt")
+    return GenerateRequest(
+        is_chat=True,
+        messages=_parse_messages(body.get("messages")),
+        add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+        max_tokens=max_tokens if max_tokens is not None else _max_tokens(body, "max_tokens"),
+        **_common_fields(body),
+    )
+
+
+def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    stream = bool(_opt_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    if options is not None and not stream:
+        raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = bool(_opt_bool(options or {}, "include_usage"))
+    return {
+        "model": _opt_str(body, "model"),
+        "sampling": _parse_sampling(body),
+        "stream": stream,
+        "include_usage": include_usage,
+        "kv_transfer_params": _parse_kv_params(body.get("kv_transfer_params")),
+    }
+
+
+def _reject_unsupported(body: Mapping[str, Any]) -> None:
+    n = _opt_int(body, "n")
+    if n is not None and n != 1:
+        raise _unsupported("n", f"n={n} is not supported (only n=1)")
+    best_of = _opt_int(body, "best_of")
+    if best_of is not None and best_of > 1:
+        raise _unsupported("best_of", f"best_of={best_of} is not supported")
+    for name, noop in _NOOP_VALUES.items():
+        value = body.get(name)
+        if value is not None and value != noop:
+            raise _unsupported(name)
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias")
+
+
+def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
+    top_k = _opt_int(body, "top_k")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    fields: dict[str, Any] = {
+        "temperature": _opt_number(body, "temperature"),
+        "top_p": _opt_number(body, "top_p"),
+        "top_k": None if top_k in (None, -1, 0) else top_k,  # -1/0 = disabled, as vLLM
+        "seed": _opt_int(body, "seed"),
+        "stop": tuple(stop or ()),
+        "stop_token_ids": tuple(stop_token_ids or ()),
+        "ignore_eos": _opt_bool(body, "ignore_eos"),
+        "min_tokens": _opt_int(body, "min_tokens"),
+    }
+    given = {k: v for k, v in fields.items() if v is not None}
+    return _sampling_or_400(SamplingParams, **given)
+
+
+def _sampling_or_400(factory: Any, **fields: Any) -> SamplingParams:
+    try:
+        return factory(**fields)
+    except (TypeError, ValueError) as exc:
+        raise _bad(str(exc)) from exc
+
+
+def _parse_kv_params(raw: object) -> KVTransferParams | None:
+    if raw is None:
+        return None
+    try:
+        return KVTransferParams.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise _bad(str(exc), "kv_transfer_params") from exc
+
+
+def _parse_prompt(raw: object) -> tuple[str | None, list[int] | None]:
+    """Accepted: "text", ["text"], [ids...], [[ids...]]. Several prompts are a batch: 400."""
+    if isinstance(raw, list) and raw and isinstance(raw[0], str | list):
+        if len(raw) > 1:
+            raise _unsupported("prompt", "batched prompts are not supported (send one per request)")
+        raw = raw[0]
+    if raw is None:
+        raise _bad("prompt is required", "prompt")
+    if isinstance(raw, str):
+        if not raw:
+            raise _bad("prompt must not be empty", "prompt")
+        return raw, None
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise _bad("prompt must be a string or a list of token ids", "prompt")
+    if not raw:
+        raise _bad("prompt must not be empty", "prompt")
+    return None, list(raw)
+
+
+def _parse_messages(raw: object) -> list[dict[str, str]]:
+    if raw is None:
+        raise _bad("messages is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty list", "messages")
+    return [_parse_message(m) for m in raw]
+
+
+def _parse_message(raw: object) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        raise _bad("each message must be an object", "messages")
+    role = raw.get("role")
+    if role not in _CHAT_ROLES:
+        raise _bad(f"message role must be one of {sorted(_CHAT_ROLES)}, got {role!r}", "messages")
+    message = {"role": role, "content": _flatten_content(raw.get("content"))}
+    if isinstance(raw.get("name"), str):
+        message["name"] = raw["name"]
+    return message
+
+
+def _flatten_content(content: object) -> str:
+    # A list of text parts is joined with newlines (vLLM's "string" content format).
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("message content must be a string or a list of text parts", "messages")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _unsupported("messages", "only text content parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise _bad("a text content part needs a string 'text'", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def resolve_max_tokens(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_tokens, or the endpoint default clamped to the context left.
+    APIError 400 when the prompt plus an explicit max_tokens does not fit."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise APIError(
+            400,
+            f"prompt has {num_prompt_tokens} tokens; the context is {max_model_len} tokens",
+            code="context_length_exceeded",
+            param="prompt",
+        )
+    if request.max_tokens is None:
+        cap = MAX_DEFAULT_CHAT_TOKENS if request.is_chat else DEFAULT_COMPLETION_MAX_TOKENS
+        return min(cap, room)
+    if request.max_tokens > room:
+        raise APIError(
+            400,
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
+            f"the context of {max_model_len} tokens",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+    return request.max_tokens
+
+
+def make_sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams:
+    if request.sampling.min_tokens > max_tokens:
+        raise _bad(
+            f"min_tokens ({request.sampling.min_tokens}) must be <= max_tokens ({max_tokens})",
+            "min_tokens",
+        )
+    return _sampling_or_400(request.sampling.replace, max_tokens=max_tokens)
+
+
+def _opt_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and type(value) is not int:
+        raise _bad(f"{name} must be an integer", name)
+    return value
+
+
+def _max_tokens(body: Mapping[str, Any], name: str) -> int | None:
+    value = _opt_int(body, name)
+    if value is not None and value <= 0:
+        raise _bad(f"{name} must be >= 1, got {value}", name)
+    return value
+
+
+def _opt_number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is not None and type(value) not in (int, float):
+        raise _bad(f"{name} must be a number", name)
+    return None if value is None else float(value)
+
+
+def _opt_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"{name} must be a boolean", name)
+    return value
+
+
+def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"{name} must be a string", name)
+    return value
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, code="invalid_value", param=param)
+
+
+def _unsupported(param: str, message: str | None = None) -> APIError:
+    message = message or f"{param} is not supported by this server"
+    return APIError(400, message, code="unsupported_parameter", param=param)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def completion_body(
+    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**_head(meta, "text_completion"), "choices": [choice], "usage": usage, **extra}
+
+
+def chat_body(
+    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    return {**_head(meta, "chat.completion"), "choices": [choice], "usage": usage, **extra}
+
+
+def completion_chunk(
+    meta: ResponseMeta, text: str, finish_reason: str | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**_head(meta, "text_completion"), "choices": [choice], **extra}
+
+
+def chat_chunk(
+    meta: ResponseMeta, delta: dict[str, str], finish_reason: str | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**_head(meta, "chat.completion.chunk"), "choices": [choice], **extra}
+
+
+def usage_chunk(meta: ResponseMeta, object_name: str, usage: dict[str, int]) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage is set: no choices, just usage."""
+    return {**_head(meta, object_name), "choices": [], "usage": usage}
+
+
+def _head(meta: ResponseMeta, object_name: str) -> dict[str, Any]:
+    return {
+        "id": meta.request_id,
+        "object": object_name,
+        "created": meta.created,
+        "model": meta.model,
+    }
+
+
+def sse_event(data: Mapping[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>\\n\\n` (or a literal such as [DONE])."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

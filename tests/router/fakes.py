@@ -1,0 +1,193 @@
+"""Fake prefill/decode instances for router tests: real aiohttp servers on 127.0.0.1 that record
+every request and answer through a handler the test can replace. No engine, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from disagg.config import RouterConfig
+from disagg.router.app import make_app, start_server
+
+__all__ = [
+    "FakeInstance",
+    "Received",
+    "completion",
+    "default_handler",
+    "free_port",
+    "read_events",
+    "run_async",
+    "running",
+    "running_router",
+    "sse",
+]
+
+Handler = Callable[["FakeInstance", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+WAIT_S = 5.0  # every wait in a fake is bounded by this
+
+
+def run_async(coro: Coroutine[Any, Any, None], timeout_s: float = 20.0) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def completion(request_id: str, text: str, **extra: Any) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "finish_reason": "length"}
+    return {"id": request_id, "object": "text_completion", "choices": [choice], **extra}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class Received:
+    path: str
+    headers: dict[str, str]  # lower-cased names
+    body: dict[str, Any]
+    at_s: float  # time.monotonic() at arrival
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("x-request-id", "")
+
+    @property
+    def kv(self) -> dict[str, Any]:
+        return self.body.get("kv_transfer_params") or {}
+
+
+@dataclass
+class FakeInstance:
+    role: str  # "prefill" | "decode" | "both"
+    handler: Handler | None = None  # None = the default answer for the role
+    load: dict[str, int] = field(default_factory=dict)
+    kv_info: dict[str, Any] = field(default_factory=dict)
+    health_status: int = 200
+    received: list[Received] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # first generate request
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/abort", self._abort)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/load", self._load)
+        app.router.add_get("/kv_info", self._kv_info)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.received.append(Received(request.path, headers, body, time.monotonic()))
+        self.arrived.set()
+        handler = self.handler or default_handler
+        return await handler(self, request, body)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.aborts.append((await request.json())["request_id"])
+        self.aborted.set()
+        return web.json_response({})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _load(self, _request: web.Request) -> web.Response:
+        base = {"num_running": 0, "num_waiting": 0, "num_free_blocks": 100}
+        return web.json_response(
+            {**base, "num_total_blocks": 100, "num_queued_prefill_tokens": 0, **self.load}
+        )
+
+    async def _kv_info(self, _request: web.Request) -> web.Response:
+        port = int(self.url.rsplit(":", 1)[1])
+        base = {"engine_id": f"{self.role}-{port}", "role": self.role, "connector": "pull"}
+        addr = {"kv_host": "127.0.0.1", "kv_port": port + 1, "block_size": 16, "model": "m"}
+        return web.json_response({**base, **addr, **self.kv_info})
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+
+async def default_handler(
+    fake: FakeInstance, request: web.Request, body: dict[str, Any]
+) -> web.StreamResponse:
+    """P: a one-token answer with pull params and P's breakdown. D: text, streamed if asked."""
+    rid = request.headers["X-Request-Id"]
+    if fake.role == "prefill":
+        params = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "p0"}
+        params |= {"remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": rid}
+        breakdown = {"queue_s": 0.1, "prefill_s": 0.2, "transfer_s": 9.0}
+        return web.json_response(
+            completion(rid, "A", kv_transfer_params=params, disagg={"breakdown": breakdown})
+        )
+    final = {"disagg": {"breakdown": {"transfer_s": 0.3, "first_step_s": 0.05}}}
+    if not body.get("stream"):
+        return web.json_response(completion(rid, "A b c", **final))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for text in ("A", " b"):
+        await resp.write(sse(completion(rid, text)))
+    await resp.write(sse(completion(rid, " c", **final)) + b"data: [DONE]\n\n")
+    return resp
+
+
+async def read_events(resp: aiohttp.ClientResponse, count: int | None = None) -> list[str]:
+    """`data:` payloads of an SSE response, stopping after `count` of them (None = to the end)."""
+    events: list[str] = []
+    while count is None or len(events) < count:
+        line = await resp.content.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            events.append(line[len(b"data: ") :].decode().strip())
+    return events
+
+
+@asynccontextmanager
+async def running_router(**cfg: Any) -> AsyncIterator[str]:
+    """A router app on a free port; yields its base URL."""
+    config = RouterConfig(host="127.0.0.1", port=0, **cfg)
+    runner, port = await start_server(make_app(config), "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def running(*fakes: FakeInstance) -> AsyncIterator[list[str]]:
+    """Start fakes; yields their URLs; stops them all."""
+    try:
+        yield [await fake.start() for fake in fakes]
+    finally:
+        for fake in fakes:
+            await fake.stop()

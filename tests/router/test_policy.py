@@ -1,0 +1,107 @@
+"""Policies on plain records: no servers, no clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.router.policy import (
+    InstanceView,
+    LeastLoadedPolicy,
+    Load,
+    NoHealthyInstanceError,
+    RoundRobinPolicy,
+    load_key,
+    make_policy,
+)
+
+
+def make_load(**counts: int) -> Load:
+    base = {"num_running": 0, "num_waiting": 0, "num_free_blocks": 100, "num_total_blocks": 100}
+    return Load(**{**base, "num_queued_prefill_tokens": 0, **counts})
+
+
+def view(name: str, role: str = "decode", healthy: bool = True, pending: int = 0, **load: int):
+    snapshot = make_load(**load) if load else None
+    return InstanceView(url=name, role=role, is_healthy=healthy, load=snapshot, num_pending=pending)  # type: ignore[arg-type]
+
+
+def test_round_robin_cycles_over_healthy_only() -> None:
+    policy = RoundRobinPolicy()
+    views = [view("a"), view("b", healthy=False), view("c")]
+    assert [views[policy.choose(views)].url for _ in range(4)] == ["a", "c", "a", "c"]
+
+
+@pytest.mark.parametrize("policy", [RoundRobinPolicy(), LeastLoadedPolicy()])
+def test_no_healthy_instance_raises(policy) -> None:
+    with pytest.raises(NoHealthyInstanceError, match="decode"):
+        policy.choose([view("a", healthy=False, num_running=0)])
+    with pytest.raises(NoHealthyInstanceError):
+        policy.choose([])
+
+
+def test_least_loaded_decode_counts_running_plus_waiting_then_free_blocks() -> None:
+    policy = LeastLoadedPolicy()
+    busy = view("busy", num_running=3, num_waiting=2)
+    light = view("light", num_running=4, num_waiting=0)
+    assert policy.choose([busy, light]) == 1
+    tight = view("tight", num_running=1, num_free_blocks=5)
+    roomy = view("roomy", num_running=1, num_free_blocks=50)
+    assert policy.choose([tight, roomy]) == 1
+
+
+def test_least_loaded_never_picks_unhealthy_even_if_idle() -> None:
+    idle_but_down = view("down", healthy=False, num_running=0)
+    loaded = view("up", num_running=9, num_waiting=9)
+    assert LeastLoadedPolicy().choose([idle_but_down, loaded]) == 1
+
+
+def test_least_loaded_prefill_queued_tokens_dominate_waiting() -> None:
+    policy = LeastLoadedPolicy()
+    many_short = view("short", role="prefill", num_queued_prefill_tokens=100, num_waiting=5)
+    one_long = view("long", role="prefill", num_queued_prefill_tokens=4000, num_waiting=1)
+    assert policy.choose([one_long, many_short]) == 1
+    same_tokens = [
+        view("a", role="prefill", num_queued_prefill_tokens=10, num_waiting=3),
+        view("b", role="prefill", num_queued_prefill_tokens=10, num_waiting=1),
+    ]
+    assert policy.choose(same_tokens) == 1
+
+
+def test_pending_requests_spread_a_burst_between_polls() -> None:
+    policy = LeastLoadedPolicy()
+    a = view("a", num_running=1, pending=3)  # looked idle, but we just sent it 3
+    b = view("b", num_running=2)
+    assert policy.choose([a, b]) == 1
+
+
+def test_instance_without_load_sorts_after_known_ones() -> None:
+    assert load_key(view("new")) > load_key(view("old", num_running=50))
+    assert LeastLoadedPolicy().choose([view("new"), view("old", num_running=50)]) == 1
+
+
+def test_ties_rotate() -> None:
+    policy = LeastLoadedPolicy()
+    views = [view("a", num_running=1), view("b", num_running=1), view("c", num_running=7)]
+    assert sorted(policy.choose(views) for _ in range(4)) == [0, 0, 1, 1]
+
+
+def test_aggregated_instances_rank_by_requests_then_queued_prefill() -> None:
+    a = view("a", role="both", num_running=1, num_queued_prefill_tokens=900)
+    b = view("b", role="both", num_running=1, num_queued_prefill_tokens=10)
+    assert LeastLoadedPolicy().choose([a, b]) == 1
+
+
+def test_load_from_dict_validates() -> None:
+    raw = {"num_running": 1, "num_waiting": 2, "num_free_blocks": 3, "num_total_blocks": 4}
+    assert Load.from_dict({**raw, "num_queued_prefill_tokens": 5}).num_queued_prefill_tokens == 5
+    with pytest.raises(ValueError, match="num_queued_prefill_tokens"):
+        Load.from_dict(raw)
+    with pytest.raises(ValueError, match="num_running"):
+        Load.from_dict({**raw, "num_running": -1, "num_queued_prefill_tokens": 0})
+
+
+def test_make_policy() -> None:
+    assert isinstance(make_policy("round_robin"), RoundRobinPolicy)
+    assert isinstance(make_policy("least_loaded"), LeastLoadedPolicy)
+    with pytest.raises(ValueError, match="random"):
+        make_policy("random")

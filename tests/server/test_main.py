@@ -1,0 +1,122 @@
+"""`disagg serve`: flags build the configs; the process serves, then shuts down on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from aiohttp import web
+
+from disagg.config import EngineConfig
+from disagg.server import main
+from tests.server.fakes import FakeEngine, wait_until
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_build_configs() -> None:
+    args = _parse(
+        "--model", "m", "--port", "0", "--kv-host", "10.0.0.1", "--kv-port", "7000",
+        "--role", "decode", "--kv-connector", "push", "--no-prefix-caching",
+        "--block-size", "32", "--max-model-len", "512", "--lease-s", "2.5",
+    )  # fmt: skip
+    engine, server = main.build_configs(args)
+    assert (engine.model, server.port, server.host) == ("m", 0, "127.0.0.1")
+    kv = engine.kv_transfer
+    assert (kv.host, kv.side_port, kv.role, kv.connector, kv.lease_s) == (
+        "10.0.0.1", 7000, "decode", "push", 2.5,
+    )  # fmt: skip
+    assert engine.scheduler.enable_prefix_caching is False
+    assert (engine.cache.block_size, engine.scheduler.max_model_len) == (32, 512)
+    defaults, _ = main.build_configs(_parse())
+    assert defaults == EngineConfig()
+
+
+def test_bad_flags() -> None:
+    with pytest.raises(SystemExit):
+        _parse("--role", "sideways")  # choices come from the config's Literal
+    assert main.run(_parse("--block-size", "3")) == 2  # config validation -> exit 2
+
+
+class _FakeAsyncEngine(FakeEngine):
+    """AsyncEngine's lifecycle over FakeEngine."""
+
+    instances: list[_FakeAsyncEngine] = []
+
+    def __init__(self, config: EngineConfig, model_dir: Any) -> None:
+        super().__init__(output_ids=[40, 41, 42], model_name=config.model_name)
+        self.model_dir = Path(model_dir)
+        self.events: list[str] = []
+        _FakeAsyncEngine.instances.append(self)
+
+    async def start(self) -> None:
+        self.events.append("start")
+
+    async def shutdown(self) -> None:
+        self.events.append("shutdown")
+
+    def extra_routes(self) -> list[web.RouteDef]:
+        async def ping(request: web.Request) -> web.Response:
+            return web.json_response({"pong": True})
+
+        return [web.get("/kv/ping", ping)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_until_sigterm(
+    monkeypatch: pytest.MonkeyPatch, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = types.ModuleType("disagg.engine.checkpoint")
+    checkpoint.resolve_model = lambda name: tokenizer_dir  # type: ignore[attr-defined]
+    async_engine = types.ModuleType("disagg.engine.async_engine")
+    async_engine.AsyncEngine = _FakeAsyncEngine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "disagg.engine.checkpoint", checkpoint)
+    monkeypatch.setitem(sys.modules, "disagg.engine.async_engine", async_engine)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            wait_until(lambda: _is_up(url), timeout_s=10)
+            body = {"prompt": "Paris", "max_tokens": 2}
+            seen["completion"] = requests.post(f"{url}/v1/completions", json=body, timeout=5)
+            seen["extra"] = requests.get(f"{url}/kv/ping", timeout=5).json()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # always, so run() cannot hang
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert main.run(_parse("--model", "tiny", "--port", str(port), "--served-model-name", "t")) == 0
+    thread.join(timeout=10)
+    engine = _FakeAsyncEngine.instances[-1]
+    assert engine.events == ["start", "shutdown"]
+    assert engine.model_dir == tokenizer_dir
+    assert seen["completion"].status_code == 200 and seen["completion"].json()["model"] == "t"
+    assert seen["extra"] == {"pong": True}
+    assert f"disagg serve ready on http://127.0.0.1:{port}\n" in capsys.readouterr().out
+
+
+def _is_up(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False

@@ -1,0 +1,71 @@
+"""Stop strings on detokenized text: truncation, hold-back, split across tokens, token counts."""
+
+from __future__ import annotations
+
+from disagg.protocol import FinishReason, RequestOutput
+from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.tokenizer import Tokenizer
+
+
+def _feed(
+    tokenizer: Tokenizer, text: str, stop: list[str], finish: FinishReason = FinishReason.LENGTH
+) -> tuple[OutputProcessor, list[TextDelta]]:
+    """Feed `text`'s tokens one per delta; the last delta carries `finish`."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    proc = OutputProcessor(tokenizer, tokenizer.encode("Q:"), stop)
+    steps = []
+    for i, token_id in enumerate(ids):
+        is_last = i == len(ids) - 1
+        steps.append(proc.process(RequestOutput("r", [token_id], finish if is_last else None)))
+        if steps[-1].finish_reason is not None:
+            break
+    return proc, steps
+
+
+def test_no_stop_concatenation_is_full_text(tokenizer: Tokenizer) -> None:
+    proc, steps = _feed(tokenizer, "Hello 東京 world", [])
+    assert "".join(s.text for s in steps) == "Hello 東京 world" == proc.text
+    assert steps[-1].finish_reason == "length" and not steps[-1].stop_string_hit
+
+
+def test_stop_string_truncates_and_counts_tokens(tokenizer: Tokenizer) -> None:
+    text = "Paris is the capital of France. Le café"
+    proc, steps = _feed(tokenizer, text, ["capital"])
+    assert "".join(s.text for s in steps) == "Paris is the " == proc.text
+    assert steps[-1].finish_reason == "stop" and steps[-1].stop_string_hit
+    # Tokens consumed = those needed to see the whole stop string, not the whole script.
+    needed = tokenizer.encode("Paris is the capital", add_special_tokens=False)
+    total = tokenizer.encode(text, add_special_tokens=False)
+    assert len(needed) <= proc.num_output_tokens < len(total)
+
+
+def test_stop_string_split_across_tokens_is_held_back(tokenizer: Tokenizer) -> None:
+    # "東京" is several byte tokens: the stop string completes over many deltas.
+    proc, steps = _feed(tokenizer, "Tokyo 東京 is big", ["京 is"])
+    assert "".join(s.text for s in steps) == "Tokyo 東"
+    # No delta ever leaked a piece of the stop string.
+    assert all("京" not in s.text for s in steps)
+    assert steps[-1].stop_string_hit
+
+
+def test_held_text_released_when_it_stops_matching(tokenizer: Tokenizer) -> None:
+    proc = OutputProcessor(tokenizer, [], ["the dog"])
+    for token_id in tokenizer.encode("the", add_special_tokens=False):
+        assert proc.process(RequestOutput("r", [token_id])).text == ""  # could start "the dog"
+    for token_id in tokenizer.encode(" cat", add_special_tokens=False):
+        proc.process(RequestOutput("r", [token_id]))
+    assert proc.text == "the ca"  # the trailing "t" could still start "the dog"
+    final = proc.process(RequestOutput("r", [], FinishReason.LENGTH))
+    assert (final.text, proc.text, final.finish_reason) == ("t", "the cat", "length")
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer: Tokenizer) -> None:
+    proc, _ = _feed(tokenizer, "one two three four", ["four", "two"])
+    assert proc.text == "one "
+
+
+def test_error_finish_carries_message(tokenizer: Tokenizer) -> None:
+    proc = OutputProcessor(tokenizer, [], [])
+    out = RequestOutput("r", [], FinishReason.ERROR, error="transfer failed")
+    step = proc.process(out)
+    assert (step.finish_reason, step.error) == ("error", "transfer failed")
