@@ -78,13 +78,15 @@ class KVTransferConfig:
     role: Role = "both"
     connector: ConnectorName = "pull"  # ignored when role == "both"
     transport: TransportName = "nixl"
-    host: str = "127.0.0.1"  # address peers use to reach this instance's KV side channel
-    side_port: int = 0  # KV side-channel port; 0 = pick a free one
+    host: str = "127.0.0.1"  # address peers use to reach this instance (HTTP side channel + KV)
     engine_id: str = ""  # "" = derived from host and port at start
     lease_s: float = 30.0  # P keeps blocks this long for a pull that never comes
     reservation_timeout_s: float = 30.0  # D frees a reservation P never wrote
     transfer_timeout_s: float = 20.0  # a posted transfer that has not finished by then fails
     failure_policy: FailurePolicy = "fail"  # on a failed transfer: error, or prefill on D
+    # Fault injection for tests and drills: "" | "fail_transfer" (every transfer this instance
+    # starts fails) | "delay_register:SECONDS" (push: D registers its blocks late).
+    fault: str = ""
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, Role)
@@ -92,8 +94,16 @@ class KVTransferConfig:
         _check_choice("transport", self.transport, TransportName)
         _check_choice("failure_policy", self.failure_policy, FailurePolicy)
         _check_positive(self, "lease_s", "reservation_timeout_s", "transfer_timeout_s")
-        if not 0 <= self.side_port < 65536:
-            raise ValueError(f"side_port must be in [0, 65535], got {self.side_port}")
+        if not (self.fault in ("", "fail_transfer") or self.fault.startswith("delay_register:")):
+            raise ValueError(
+                f"fault must be '', fail_transfer or delay_register:S, got {self.fault!r}"
+            )
+
+    @property
+    def register_delay_s(self) -> float:
+        return (
+            float(self.fault.split(":", 1)[1]) if self.fault.startswith("delay_register:") else 0.0
+        )
 
     @property
     def is_disaggregated(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from disagg.config import EngineConfig
 from disagg.protocol import FinishReason, KVTransferParams, RequestOutput, SamplingParams
+from disagg.server.engine_client import EngineOverloadedError
 
 __all__ = ["AsyncEngine"]
 
@@ -103,13 +104,19 @@ class AsyncEngine:
             return {"role": "both", "model": self.model_name}
         return connector.info()
 
+    def set_address(self, host: str, port: int) -> None:
+        """The HTTP address peers use for the KV side channel (known once the server listens)."""
+        connector = self.engine.connector if self.engine is not None else None
+        if connector is not None:
+            connector.set_address(host, port)
+
     def extra_routes(self) -> list[Any]:
         connector = self.engine.connector if self.engine is not None else None
         return connector.http_routes() if connector is not None else []
 
     def _validate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         if self._dead is not None:
-            raise RuntimeError(f"engine is dead: {self._dead}")
+            raise EngineOverloadedError(f"engine is dead: {self._dead}")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
@@ -133,6 +140,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_work:
+                    self._load = self.engine.scheduler.load()  # aborts free blocks while idle
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue

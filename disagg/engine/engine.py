@@ -25,6 +25,10 @@ __all__ = ["Engine"]
 class Engine:
     def __init__(self, config: EngineConfig, model_dir: str, *, wake: object = None) -> None:
         self.config = config
+        if config.num_threads > 0:
+            import torch
+
+            torch.set_num_threads(config.num_threads)  # several processes share the cores
         self.runner = ModelRunner(config, model_dir)
         self.spec = self.runner.spec
         self.max_model_len = min(config.scheduler.max_model_len, self.spec.max_position_embeddings)

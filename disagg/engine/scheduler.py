@@ -43,7 +43,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.sending: dict[str, Request] = {}  # WAITING_FOR_KV_SEND
-        self.draining: dict[str, Request] = {}  # aborted; blocks held until a transfer settles
+        self.draining: dict[str, list[int]] = {}  # request id -> blocks a transfer may still hit
         self._finished_ids: set[str] = set()  # for the runner, next step
         self._pending_outputs: list[RequestOutput] = []  # produced outside update()
         self.num_preemptions = 0
@@ -143,7 +143,7 @@ class Scheduler:
         request.block_ids = self.block_pool.allocate(num_blocks)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.first_scheduled_s = now
-        request.breakdown.queue_s = now - request.arrival_s
+        request.breakdown.decode_wait_s = now - request.arrival_s  # D's own queue
         self.waiting_for_kv[request.request_id] = request
         self.connector.on_blocks_allocated(request, request.block_ids, num_external)
         return True
@@ -238,7 +238,8 @@ class Scheduler:
         return outputs
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
-        if request.num_output_tokens == 0 and request.breakdown.prefill_s is None:
+        params = request.kv_transfer_params
+        if request.num_output_tokens == 0 and not (params and params.do_remote_prefill):
             request.breakdown.prefill_s = now - (request.first_scheduled_s or now)
         request.output_token_ids.append(token)
         status = self._stop_status(request, token)
@@ -285,6 +286,7 @@ class Scheduler:
         if first_token is not None:
             # P sampled the first token with the same parameters; carry it instead of
             # recomputing the last prompt token here (one step less on the TTFT path).
+            request.breakdown.first_step_s = 0.0
             self._append_token(request, first_token, now)
             self._pending_outputs.append(self._output(request))
         else:
@@ -305,7 +307,7 @@ class Scheduler:
         if reason.startswith("recompute:"):
             # Policy `recompute`: prefill locally from the prompt, as if never disaggregated.
             del self.waiting_for_kv[request_id]
-            self._free_blocks(request)
+            self._drop_kv_blocks(request)
             request.needs_remote_kv = False
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
@@ -320,10 +322,19 @@ class Scheduler:
             self._release(request)
 
     def _settle_draining(self, request_id: str) -> None:
-        request = self.draining.pop(request_id, None)
-        if request is not None:
-            self._free_blocks(request)
-            self._release(request)
+        block_ids = self.draining.pop(request_id, None)
+        if block_ids is not None:
+            self.block_pool.free(block_ids)
+
+    def _drop_kv_blocks(self, request: Request) -> None:
+        """Give back the blocks of a request leaving a KV state, unless the connector says a
+        transfer may still land in them: then they wait in `draining` until it settles."""
+        assert self.connector is not None
+        if self.connector.request_aborted(request):
+            self.draining[request.request_id] = request.block_ids
+        else:
+            self.block_pool.free(request.block_ids)
+        request.block_ids = []
 
     # ------------------------------------------------------------------ finish
 
@@ -336,12 +347,8 @@ class Scheduler:
         request.finish_status = status
         self._unlink(request, previous)
         if previous in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING_FOR_KV_SEND):
-            assert self.connector is not None
-            if self.connector.request_aborted(request):
-                self.draining[request.request_id] = request  # a transfer may still land
-            else:
-                self._free_blocks(request)
-                self._release(request)
+            self._drop_kv_blocks(request)
+            self._release(request)
         else:
             self._finish_computed(request)
         if emit:

@@ -46,7 +46,7 @@ _FLAGS: tuple[tuple[type, str, str], ...] = (
     (KVTransferConfig, "connector", "--kv-connector"),
     (KVTransferConfig, "transport", "--kv-transport"),
     (KVTransferConfig, "host", "--kv-host"),
-    (KVTransferConfig, "side_port", "--kv-port"),
+    (KVTransferConfig, "fault", "--kv-fault"),
     (KVTransferConfig, "engine_id", "--engine-id"),
     (KVTransferConfig, "lease_s", "--lease-s"),
     (KVTransferConfig, "reservation_timeout_s", "--reservation-timeout-s"),
@@ -127,6 +127,7 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
         extra_routes = engine.extra_routes() if hasattr(engine, "extra_routes") else ()
         app = make_app(engine, tokenizer, extra_routes=extra_routes)
         runner, port = await start_server(app, server.host, server.port)
+        engine.set_address(server.host, port)  # peers reach the KV side channel here
         try:
             print(f"disagg serve ready on http://{server.host}:{port}", flush=True)
             await stop.wait()

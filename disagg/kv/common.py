@@ -1,0 +1,275 @@
+"""What pull and push share: the transport over the KV tensor, the HTTP side channel
+(handshake with a compatibility check), peer bookkeeping, the notification listener thread,
+thread-safe reporting to the engine loop, and transfer statistics.
+
+Subclasses implement the KVConnector hooks; nothing here decides when bytes move.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from disagg.config import EngineConfig
+from disagg.engine.outputs import KVConnectorOutput
+from disagg.kv.connector import KVConnector
+from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
+from disagg.kv.transport import TransportError, make_transport
+
+__all__ = ["ConnectorBase", "HandshakeError", "post_json"]
+
+log = logging.getLogger(__name__)
+
+_LISTEN_INTERVAL_S = 0.0005  # notification poll period of the listener thread
+
+
+class HandshakeError(RuntimeError):
+    """The peer refused us (incompatible) or could not be reached."""
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Blocking JSON POST for background threads. Raises HandshakeError with the peer's reason."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            reason = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = f"HTTP {exc.code}"
+        raise HandshakeError(reason) from exc
+    except (OSError, ValueError) as exc:
+        raise HandshakeError(f"{url} unreachable: {exc}") from exc
+
+
+def _model_fingerprint(runner: Any) -> str:
+    spec = runner.spec
+    return (
+        f"{spec.architecture}:L{spec.num_layers}:H{spec.num_kv_heads}x{spec.head_dim}"
+        f":V{spec.vocab_size}:D{spec.hidden_size}"
+    )
+
+
+class ConnectorBase(KVConnector):
+    def __init__(self, config: EngineConfig, runner: Any, *, wake: Any = None) -> None:
+        kv = config.kv_transfer
+        self.config = config
+        self.kv_config = kv
+        self.role = kv.role
+        self.mode = kv.connector
+        self.block_size = config.cache.block_size
+        self.engine_id = kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}"
+        self.host = kv.host
+        self.port: int | None = None  # HTTP side channel, set once the server listens
+        self._wake = wake or (lambda: None)
+        self.transport = make_transport(
+            kv.transport, self.engine_id, host=kv.host, device=config.device
+        )
+        self.transport.register(runner.kv_base_addr, runner.num_blocks, runner.block_nbytes)
+        self.block_nbytes = runner.block_nbytes
+        self.compat = Compat(
+            model=_model_fingerprint(runner),
+            dtype=config.dtype,
+            block_size=self.block_size,
+            block_nbytes=runner.block_nbytes,
+            layout=KV_LAYOUT,
+            connector=self.mode,
+        )
+        self._lock = threading.Lock()
+        self._report = KVConnectorOutput()  # filled by any thread, swapped out by the loop
+        self._peers: dict[str, Future[str]] = {}  # engine id -> transport peer name (handshake)
+        self._handshakes = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")  # FIFO to peers
+        self.stats: dict[str, float] = dict.fromkeys(_STAT_NAMES, 0)
+        self._stopping = threading.Event()
+        self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
+        self._listener.start()
+
+    # ------------------------------------------------------------------ identity
+
+    def set_address(self, host: str, port: int) -> None:
+        self.port = port
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "connector": self.mode,
+            "transport": self.kv_config.transport,
+            "kv_host": self.host,
+            "kv_port": self.port,
+            "block_size": self.block_size,
+            "model": self.config.model_name,
+            "compat": self.compat.to_dict(),
+            "stats": dict(self.stats),
+        }
+
+    def http_routes(self) -> list[web.RouteDef]:
+        return [web.post("/kv/handshake", self._handle_handshake)]
+
+    # ------------------------------------------------------------------ handshake
+
+    async def _handle_handshake(self, request: web.Request) -> web.Response:
+        """A peer introduces itself: check compatibility, learn its transport metadata."""
+        try:
+            body = await request.json()
+            theirs = Compat.from_dict(body["compat"])
+            metadata = unb64(body["metadata"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(400, f"bad handshake: {exc}")
+        reason = self.compat.mismatch(theirs, mine=self.role, theirs=str(body.get("role", "peer")))
+        if reason is not None:
+            self.stats["handshakes_refused"] += 1
+            log.warning("refused handshake from %s: %s", body.get("engine_id"), reason)
+            return _error(409, reason)
+        try:
+            await _to_thread(self.transport.add_peer, metadata)
+        except TransportError as exc:
+            return _error(502, f"cannot reach the peer's transport: {exc}")
+        return web.json_response(self._hello())
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "compat": self.compat.to_dict(),
+            "metadata": b64(self.transport.metadata()),
+        }
+
+    def ensure_peer(self, engine_id: str, host: str, port: int) -> Future[str]:
+        """The transport peer name of `engine_id`, handshaking in the background on first
+        contact. A peer that restarted has a new engine id, so it is met afresh."""
+        with self._lock:
+            future = self._peers.get(engine_id)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._handshakes.submit(self._handshake, engine_id, host, port)
+                self._peers[engine_id] = future
+            return future
+
+    def _handshake(self, engine_id: str, host: str, port: int) -> str:
+        started = time.monotonic()
+        answer = post_json(f"http://{host}:{port}/kv/handshake", self._hello())
+        if answer.get("engine_id") != engine_id:
+            raise HandshakeError(
+                f"{host}:{port} is engine {answer.get('engine_id')!r}, not {engine_id!r} "
+                "(it restarted?)"
+            )
+        reason = self.compat.mismatch(
+            Compat.from_dict(answer["compat"]), mine=self.role, theirs=str(answer.get("role"))
+        )
+        if reason is not None:
+            raise HandshakeError(reason)
+        try:
+            name = self.transport.add_peer(unb64(answer["metadata"])).name
+        except TransportError as exc:
+            raise HandshakeError(f"cannot reach {engine_id}'s transport: {exc}") from exc
+        self.stats["handshakes"] += 1
+        self.stats["handshake_s_total"] += time.monotonic() - started
+        return name
+
+    # ------------------------------------------------------------------ reporting
+
+    def report(
+        self,
+        *,
+        sent: str | None = None,
+        received: str | None = None,
+        failed: tuple[str, str] | None = None,
+        first_token: tuple[str, int] | None = None,
+    ) -> None:
+        """Thread-safe: queue a result for the next get_finished() on the engine loop."""
+        with self._lock:
+            if sent is not None:
+                self._report.finished_sending.add(sent)
+            if received is not None:
+                self._report.finished_recving.add(received)
+            if failed is not None:
+                self._report.failed[failed[0]] = failed[1]
+            if first_token is not None:
+                self._report.first_token_ids[first_token[0]] = first_token[1]
+        self._wake()
+
+    def take_reports(self) -> KVConnectorOutput:
+        with self._lock:
+            out, self._report = self._report, KVConnectorOutput()
+        return out
+
+    def failure_reason(self, reason: str) -> str:
+        """Per-deployment policy: `recompute` tells the scheduler to prefill locally."""
+        self.stats["transfers_failed"] += 1
+        return f"recompute: {reason}" if self.kv_config.failure_policy == "recompute" else reason
+
+    def count_transfer(self, num_blocks: int, num_descriptors: int, seconds: float) -> None:
+        self.stats["transfers"] += 1
+        self.stats["blocks"] += num_blocks
+        self.stats["bytes"] += num_blocks * self.block_nbytes
+        self.stats["descriptors"] += num_descriptors
+        self.stats["transfer_s_total"] += seconds
+
+    # ------------------------------------------------------------------ listener thread
+
+    def _listen(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                notifs = self.transport.get_notifs()
+            except TransportError:
+                return  # closed
+            for peer, raw in notifs:
+                message = decode_message(raw)
+                if message is not None:
+                    self.on_message(peer, message)
+            self.on_tick()
+            self._stopping.wait(_LISTEN_INTERVAL_S)
+
+    def on_message(self, peer: str, message: dict[str, Any]) -> None:
+        """A notification from a peer (listener thread)."""
+
+    def on_tick(self) -> None:
+        """Periodic work on the listener thread (deadlines, polling)."""
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._listener.join(timeout=5)
+        self._control.shutdown(wait=False, cancel_futures=True)
+        self._handshakes.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+
+_STAT_NAMES = (
+    "handshakes",
+    "handshakes_refused",
+    "handshake_s_total",
+    "transfers",
+    "transfers_failed",
+    "blocks",
+    "bytes",
+    "descriptors",
+    "transfer_s_total",
+    "post_s_total",
+    "expired_leases",
+    "expired_reservations",
+    "registrations_before_ready",
+    "registrations_after_ready",
+)
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "kv_handshake_error", "code": status}}
+    return web.json_response(body, status=status)
+
+
+async def _to_thread(fn: Any, *args: Any) -> Any:
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args)

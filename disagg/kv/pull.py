@@ -1,0 +1,226 @@
+"""Pull (late binding), as vLLM's default NIXL connector does it.
+
+Prefill side: keep a finished request's blocks under a lease and return their ids and our
+address; free them on the decode side's `read_done` notification or when the lease expires.
+Decode side: once blocks are allocated, handshake with P in the background on first contact,
+then build descriptors and post the READ **inline on the engine loop** in `start_load()` (the
+latency tax this mode is measured for), and poll it every step.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.engine.outputs import KVConnectorOutput
+from disagg.engine.request import Request, RequestStatus
+from disagg.kv.common import ConnectorBase
+from disagg.kv.handshake import encode_message
+from disagg.kv.transport import Op, TransferState, TransportError
+
+__all__ = ["PullConnector"]
+
+_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    request: Request
+    local_ids: list[int]
+    remote_ids: list[int]
+    remote_request_id: str
+    peer: Future[str]
+    allocated_s: float
+    handle: int | None = None
+    posted_s: float | None = None
+    num_descriptors: int = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PullConnector(ConnectorBase):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._new: list[_Load] = []  # allocated this step (build_meta hands them over)
+        self._pending: list[_Load] = []  # waiting for a handshake (engine loop only)
+        self._in_flight: dict[str, _Load] = {}  # READ posted (engine loop only)
+        self._zombies: dict[str, _Load] = {}  # gave up on, but may still land: poll to settle
+        self._leases: dict[str, float] = {}  # prefill side: request id -> deadline (monotonic)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens if request.needs_remote_kv else 0
+
+    def on_blocks_allocated(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        assert params is not None
+        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        remote_ids = params.remote_block_ids or []
+        problem = _check_params(params, len(remote_ids), num_blocks)
+        peer: Future[str] = Future()
+        if problem is None:
+            assert params.remote_engine_id and params.remote_host and params.remote_port
+            peer = self.ensure_peer(params.remote_engine_id, params.remote_host, params.remote_port)
+        else:
+            peer.set_exception(ValueError(problem))
+        self._new.append(
+            _Load(
+                request=request,
+                local_ids=block_ids[:num_blocks],
+                remote_ids=remote_ids[:num_blocks],
+                remote_request_id=params.remote_request_id or request.request_id,
+                peer=peer,
+                allocated_s=time.monotonic(),
+            )
+        )
+
+    def build_meta(self) -> object:
+        meta, self._new = self._new, []
+        return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
+        if not request.is_remote_decode or request.finish_status in _NOT_SENT:
+            return False, None
+        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        with self._lock:
+            self._leases[request.request_id] = time.monotonic() + self.kv_config.lease_s
+        return True, {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": request.block_ids[:num_blocks],
+            "remote_request_id": request.request_id,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "first_token_id": request.output_token_ids[0],
+            "connector": "pull",
+        }
+
+    def request_aborted(self, request: Request) -> bool:
+        request_id = request.request_id
+        with self._lock:
+            self._leases.pop(request_id, None)  # prefill side: a READ never lands in our blocks
+        self._new = [load for load in self._new if load.request is not request]
+        self._pending = [load for load in self._pending if load.request is not request]
+        if request_id in self._zombies:
+            return True  # timed out but not settled: the blocks wait for it
+        load = self._in_flight.pop(request_id, None)
+        if load is None:
+            return False
+        if self.transport.poll(load.handle) is TransferState.PROC:
+            self._zombies[request_id] = load  # report it once settled, then the blocks go
+            return True
+        self.transport.release(load.handle)
+        return False
+
+    # ------------------------------------------------------------------ worker side
+
+    def start_load(self, meta: object) -> None:
+        """Engine loop: post the READ of every load whose peer is ready. Deliberately inline."""
+        self._pending.extend(meta or [])
+        still_waiting = []
+        for load in self._pending:
+            if not load.peer.done():
+                still_waiting.append(load)
+                continue
+            if load.peer.exception() is not None:
+                self._fail(load, f"KV handshake failed: {load.peer.exception()}")
+                continue
+            self._post(load)
+        self._pending = still_waiting
+
+    def _post(self, load: _Load) -> None:
+        request_id = load.request.request_id
+        notif = encode_message("read_done", request_id=load.remote_request_id)
+        started = time.monotonic()
+        try:
+            if self.kv_config.fault == "fail_transfer":
+                raise TransportError("injected transfer failure (fault=fail_transfer)")
+            load.handle = self.transport.post(
+                Op.READ, load.peer.result(), load.local_ids, load.remote_ids, notif
+            )
+        except TransportError as exc:
+            self._fail(load, f"KV read failed to start: {exc}")
+            return
+        load.posted_s = time.monotonic()
+        self.stats["post_s_total"] += load.posted_s - started
+        load.request.breakdown.handoff_setup_s = load.posted_s - load.allocated_s
+        self._in_flight[request_id] = load
+
+    def _fail(self, load: _Load, reason: str) -> None:
+        self.report(failed=(load.request.request_id, self.failure_reason(reason)))
+
+    def get_finished(self) -> KVConnectorOutput:
+        now = time.monotonic()
+        for request_id, load in list(self._in_flight.items()):
+            self._poll_load(request_id, load, now)
+        self._settle_zombies()
+        self._expire_leases(now)
+        return self.take_reports()
+
+    def _poll_load(self, request_id: str, load: _Load, now: float) -> None:
+        assert load.handle is not None and load.posted_s is not None
+        state = self.transport.poll(load.handle)
+        if state is TransferState.PROC:
+            if now - load.posted_s > self.kv_config.transfer_timeout_s:
+                del self._in_flight[request_id]
+                self._zombies[request_id] = load  # blocks stay held until it settles
+                self._fail(load, f"KV read timed out after {self.kv_config.transfer_timeout_s}s")
+            return
+        del self._in_flight[request_id]
+        if state is TransferState.ERR:
+            self.transport.release(load.handle)
+            self._fail(load, "KV read failed (peer gone or transport error)")
+            return
+        breakdown = load.request.breakdown
+        breakdown.transfer_s = now - load.posted_s
+        breakdown.num_descriptors = self.transport.num_descriptors(load.handle)
+        breakdown.num_bytes = len(load.local_ids) * self.block_nbytes
+        self.count_transfer(len(load.local_ids), breakdown.num_descriptors, breakdown.transfer_s)
+        self.transport.release(load.handle)
+        self.report(received=request_id)
+
+    def _settle_zombies(self) -> None:
+        for request_id, load in list(self._zombies.items()):
+            if self.transport.poll(load.handle) is not TransferState.PROC:
+                del self._zombies[request_id]
+                self.transport.release(load.handle)
+                self.report(failed=(request_id, "settled"))  # frees the drained blocks
+
+    def _expire_leases(self, now: float) -> None:
+        with self._lock:
+            expired = [rid for rid, deadline in self._leases.items() if deadline < now]
+            for request_id in expired:
+                del self._leases[request_id]
+        for request_id in expired:
+            self.stats["expired_leases"] += 1
+            self.report(sent=request_id)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending or self._in_flight or self._zombies or self._leases)
+
+    # ------------------------------------------------------------------ listener thread
+
+    def on_message(self, peer: str, message: dict[str, Any]) -> None:
+        if message.get("kind") != "read_done":
+            return
+        request_id = str(message.get("request_id"))
+        with self._lock:
+            known = self._leases.pop(request_id, None) is not None
+        if known:
+            self.report(sent=request_id)
+
+
+def _check_params(params: Any, num_remote: int, num_needed: int) -> str | None:
+    if not (params.remote_engine_id and params.remote_host and params.remote_port):
+        return "kv_transfer_params lack remote_engine_id/remote_host/remote_port"
+    if num_remote < num_needed:
+        return f"kv_transfer_params carry {num_remote} remote blocks, the prompt needs {num_needed}"
+    return None
