@@ -1,0 +1,80 @@
+"""Session fixtures shared by every test package: small real checkpoints and thread pinning.
+
+Several processes share two cores in the end-to-end tests, so torch in the test process uses
+one thread, and every server the tests start is told to do the same.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Qwen3 checkpoint with a locally trained tokenizer."""
+    from disagg.engine.make_model import write_checkpoint
+
+    return write_checkpoint(
+        tmp_path_factory.mktemp("qwen3"),
+        arch="qwen3",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=2048,
+        seed=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer random-weight Llama checkpoint with tied embeddings."""
+    from disagg.engine.make_model import write_checkpoint
+
+    return write_checkpoint(
+        tmp_path_factory.mktemp("llama"),
+        arch="llama",
+        num_layers=3,
+        hidden_size=96,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=192,
+        vocab_size=2048,
+        seed=2,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct), converted once into the user cache."""
+    from disagg.engine.checkpoint import resolve_model
+
+    return resolve_model("smollm2-135m")
