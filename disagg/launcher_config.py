@@ -1,0 +1,205 @@
+"""`disagg up` configuration: the frozen ClusterConfig, its TOML file, and the commands it implies.
+
+Owns validation (naming field and value), the `disagg up` flags (the launcher re-exports them),
+merging a TOML file with those flags (flags win), and the argv of every child process.
+Starts nothing and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from disagg.config import EngineConfig, PolicyName, RouterConfig, RouterMode, field_help
+
+__all__ = [
+    "ClusterConfig",
+    "UpTransport",
+    "add_arguments",
+    "config_from_args",
+    "load_toml",
+    "merge_config",
+]
+
+UpTransport = Literal["nixl", "tcp"]  # "local" is in-process only: useless across processes
+
+# Flags the launcher sets on every instance; a pass-through copy would break the cluster's wiring.
+_OWNED_SERVE_FLAGS = ("--model", "--host", "--port", "--role", "--kv-connector", "--kv-transport")
+_ARGS_FIELDS = ("serve_args", "prefill_args", "decode_args")
+_INT_FIELDS = ("num_prefill", "num_decode", "port", "threads_per_instance")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """One local cluster: a router in front of prefill and decode (or aggregated) instances."""
+
+    mode: RouterMode = "aggregated"
+    num_prefill: int | None = None  # prefill instances; None = 0 when aggregated, else 1
+    num_decode: int = 1  # decode instances (role both when aggregated)
+    model: str = field_help(EngineConfig)["model"][0]  # short name or model directory
+    host: str = "127.0.0.1"  # every process binds here; the router's URL is the cluster's
+    port: int = field_help(RouterConfig)["port"][0]  # the router's; 0 = a free one
+    kv_transport: UpTransport = "nixl"
+    policy: PolicyName = "round_robin"
+    threads_per_instance: int = 1  # torch intra-op threads per instance
+    serve_args: tuple[str, ...] = ()  # extra `disagg serve` flags for every instance
+    prefill_args: tuple[str, ...] = ()  # ... for prefill instances only (after serve_args)
+    decode_args: tuple[str, ...] = ()  # ... for decode (or aggregated) instances only
+    log_dir: Path | None = None  # one log file per process; None = a fresh temp dir
+    startup_timeout_s: float = 300.0  # covers model loading on every instance
+    stop_timeout_s: float = 10.0  # SIGTERM grace per stage before SIGKILL
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, RouterMode)
+        _check_choice("kv_transport", self.kv_transport, UpTransport)
+        _check_choice("policy", self.policy, PolicyName)
+        self._check_types()
+        if self.num_prefill is not None and self.num_prefill < 0:
+            raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
+        if self.mode == "aggregated" and self.num_prefill:
+            raise ValueError(f"mode aggregated has no prefill instances, got {self.num_prefill}")
+        if self.mode != "aggregated" and self.num_prefill == 0:
+            raise ValueError(f"mode {self.mode} needs num_prefill >= 1, got 0")
+        for name in ("num_decode", "threads_per_instance", "startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in _ARGS_FIELDS:
+            _check_not_owned(name, getattr(self, name))
+
+    def _check_types(self) -> None:
+        # TOML values arrive unchecked; a wrong type must fail here, not inside a child process.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            if not isinstance(getattr(self, name), int | float):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("model", "host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name in _ARGS_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(a, str) for a in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        if self.log_dir is not None and not isinstance(self.log_dir, Path):
+            raise ValueError(f"log_dir must be a path, got {self.log_dir!r}")
+
+    @property
+    def num_prefill_instances(self) -> int:
+        if self.num_prefill is None:
+            return 0 if self.mode == "aggregated" else 1
+        return self.num_prefill
+
+    @property
+    def roles(self) -> tuple[tuple[str, int], ...]:
+        """(role passed to `disagg serve`, instance count), in start order."""
+        if self.mode == "aggregated":
+            return (("both", self.num_decode),)
+        return (("prefill", self.num_prefill_instances), ("decode", self.num_decode))
+
+    def serve_command(self, role: str, model_dir: Path, port: int) -> list[str]:
+        """argv of one instance; pass-through flags come last so that they win."""
+        cmd = [sys.executable, "-m", "disagg.cli", "serve", "--model", str(model_dir)]
+        cmd += ["--served-model-name", self.model]  # clients name the model as the user did
+        cmd += ["--host", self.host, "--port", str(port)]
+        cmd += ["--num-threads", str(self.threads_per_instance), "--role", role]
+        if role != "both":
+            cmd += ["--kv-connector", self.mode, "--kv-transport", self.kv_transport]
+        role_args = self.prefill_args if role == "prefill" else self.decode_args
+        return cmd + list(self.serve_args) + list(role_args)
+
+    def route_command(self, urls: dict[str, list[str]], port: int) -> list[str]:
+        """argv of the router over `urls` (role -> instance base URLs)."""
+        cmd = [sys.executable, "-m", "disagg.cli", "route", "--mode", self.mode]
+        cmd += ["--policy", self.policy, "--host", self.host, "--port", str(port)]
+        if urls.get("prefill"):
+            cmd += ["--prefill", *urls["prefill"]]
+        return cmd + ["--decode", *urls.get("decode", []), *urls.get("both", [])]
+
+
+def _check_choice(name: str, value: object, kind: Any) -> None:
+    if value not in get_args(kind):
+        raise ValueError(f"{name} must be one of {list(get_args(kind))}, got {value!r}")
+
+
+def _check_not_owned(name: str, args: tuple[str, ...]) -> None:
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED_SERVE_FLAGS:
+            raise ValueError(f"{name} must not set {flag}: the launcher sets it on every instance")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A cluster TOML file -> ClusterConfig field values; unknown keys raise ValueError."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    known = {f.name for f in fields(ClusterConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
+    values = dict(raw)
+    for name in _ARGS_FIELDS:
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
+    if isinstance(values.get("log_dir"), str):
+        values["log_dir"] = Path(values["log_dir"])
+    return values
+
+
+def merge_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> ClusterConfig:
+    """Defaults < file < flags. A flag value of None means "not given on the command line".
+
+    `serve_args` from flags are appended to the file's: `disagg serve` keeps the last copy of a
+    repeated flag, so the command line still wins.
+    """
+    values = dict(file_values)
+    extra = tuple(flag_values.get("serve_args") or ())
+    values.update({k: v for k, v in flag_values.items() if v is not None and k != "serve_args"})
+    base = values.get("serve_args", ())
+    if extra and isinstance(base, tuple):  # a mistyped file value is left for validation
+        values["serve_args"] = base + extra
+    return ClusterConfig(**values)
+
+
+# --------------------------------------------------------------------------- command line
+
+_FLAG_FIELDS = (
+    "mode", "num_prefill", "num_decode", "model", "port", "host", "kv_transport", "policy",
+    "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
+)  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Every default is None, so that a flag left out does not override the --config file.
+    d = {f.name: f.default for f in fields(ClusterConfig)}
+    add = parser.add_argument
+    add("--mode", choices=get_args(RouterMode), help=f"(default: {d['mode']})")
+    add("--num-prefill", type=int, help="prefill instances (default: 1; 0 when aggregated)")
+    add(
+        "--num-decode",
+        type=int,
+        help=f"decode or aggregated instances (default: {d['num_decode']})",
+    )
+    add("--model", help=f"short name or model directory (default: {d['model']})")
+    add("--port", type=int, help=f"router port; 0 = a free one (default: {d['port']})")
+    add("--host", help=f"bind address of every process (default: {d['host']})")
+    add("--kv-transport", choices=get_args(UpTransport), help=f"(default: {d['kv_transport']})")
+    add("--policy", choices=get_args(PolicyName), help=f"(default: {d['policy']})")
+    add("--threads-per-instance", type=int, help=f"(default: {d['threads_per_instance']})")
+    add("--config", type=Path, metavar="TOML", help="cluster file; flags given here win over it")
+    add("--log-dir", type=Path, help="one log file per process (default: a fresh temp dir)")
+    add("--startup-timeout-s", type=float, help=f"(default: {d['startup_timeout_s']:g})")
+    add("serve_args", nargs="*", metavar="-- SERVE_FLAG", help="flags for every `disagg serve`")
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """Parsed flags (+ the --config file) -> ClusterConfig. ValueError/OSError on bad input."""
+    file_values = load_toml(args.config) if args.config is not None else {}
+    return merge_config(file_values, {name: getattr(args, name) for name in _FLAG_FIELDS})
