@@ -192,8 +192,11 @@ class ModelRunner:
         return out
 
     def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `block_ids` for one layer, one gather -> each [..., nb * bs, Hkv, D]."""
-        blocks = self.kv_cache[block_ids, layer]  # [..., nb, 2, bs, Hkv, D]
+        """K and V of `block_ids` ([nb] or [B, nb]) for one layer, one copy.
+        -> each [..., nb * block_size, Hkv, D]. index_select on the layer's strided view copies
+        whole blocks and runs about twice as fast here as advanced indexing."""
+        picked = self.kv_cache[:, layer].index_select(0, block_ids.flatten())
+        blocks = picked.view(*block_ids.shape, *picked.shape[1:])  # [..., nb, 2, bs, Hkv, D]
         k, v = blocks.unbind(-4)  # [..., nb, bs, Hkv, D]
         return k.flatten(-4, -3), v.flatten(-4, -3)
 
@@ -203,25 +206,32 @@ class ModelRunner:
         ctx = chunk.start_pos + chunk.num_tokens
         if chunk.start_pos > 0:  # a cached prefix or earlier chunks: read them from the cache
             k, v = self._gather(layer, chunk.block_ids)
-        k, v = k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        qh = q.transpose(0, 1)  # [Hq, n, D]
+        k, v = self._expand_heads(k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1))  # [Hq, ctx, D]
+        # 4-D inputs: with 3-D ones CPU SDPA takes the math kernel (6x slower at 4k tokens).
+        qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, Hq, n|ctx, D]
         if chunk.start_pos == 0:
-            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
         else:
             # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
             key_pos = torch.arange(ctx, device=q.device)
             query_pos = torch.arange(chunk.start_pos, ctx, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, ctx]
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)
+        return out[0].transpose(0, 1)
+
+    def _expand_heads(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GQA: repeat each KV head for its query heads ([..., Hkv, T, D] -> [..., Hq, T, D]).
+        SDPA's own enable_gqa sends CPU to the slow math kernel (it materializes T x T scores)."""
+        groups = self.spec.num_heads // self.spec.num_kv_heads
+        if groups == 1:
+            return k, v
+        return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
         assert inputs.decode_tables is not None and inputs.decode_lens is not None
         k, v = self._gather(layer, inputs.decode_tables)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+        k, v = self._expand_heads(k.transpose(1, 2), v.transpose(1, 2))  # [B, Hq, T, D]
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = (key_pos[None, :] < inputs.decode_lens[:, None])[:, None, None, :]  # [B,1,1,T]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask)
         return out[:, :, 0, :]  # [B, Hq, D]
