@@ -230,8 +230,12 @@ class ModelRunner:
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
         assert inputs.decode_tables is not None and inputs.decode_lens is not None
         k, v = self._gather(layer, inputs.decode_tables)
-        k, v = self._expand_heads(k.transpose(1, 2), v.transpose(1, 2))  # [B, Hq, T, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+        b, num_heads, d = q.shape
+        # GQA without copying K/V: the query heads of one KV head become its "query rows"
+        # (head h reads KV head h // groups, as the reference's repeat_kv lays them out).
+        qg = q.view(b, k.shape[1], num_heads // k.shape[1], d)  # [B, Hkv, groups, D]
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = (key_pos[None, :] < inputs.decode_lens[:, None])[:, None, None, :]  # [B,1,1,T]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask)
-        return out[:, :, 0, :]  # [B, Hq, D]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+        return out.reshape(b, num_heads, d)  # [B, Hq, D]
