@@ -93,10 +93,15 @@ def free_port() -> int:
 
 
 def cluster_command(cfg: SweepConfig, mode: str, port: int) -> list[str]:
-    """`disagg up --mode MODE --model DIR --port P [--num-prefill N --num-decode M] [extra]`."""
+    """`disagg up --mode MODE --model DIR --port P --num-prefill N --num-decode M [extra]`.
+
+    The aggregated baseline gets as many instances as the disaggregated modes have in all
+    (N + M, round robin), so every mode runs on the same number of processes and cores."""
     base = list(cfg.up_command) or [sys.executable, "-m", "disagg.cli", "up"]
     cmd = base + ["--mode", mode, "--model", cfg.model, "--port", str(port)]
-    if mode != "aggregated":
+    if mode == "aggregated":
+        cmd += ["--num-decode", str(cfg.num_prefill + cfg.num_decode)]
+    else:
         cmd += ["--num-prefill", str(cfg.num_prefill), "--num-decode", str(cfg.num_decode)]
     return cmd + list(cfg.up_args)
 

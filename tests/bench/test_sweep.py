@@ -46,8 +46,9 @@ def test_cluster_command_line() -> None:
         "--num-prefill", "1", "--num-decode", "2", "--device", "cpu",
     ]  # fmt: skip
     assert cluster_command(cfg, "aggregated", 1) == [
-        "up", "--mode", "aggregated", "--model", "/m", "--port", "1", "--device", "cpu",
-    ]  # fmt: skip
+        "up", "--mode", "aggregated", "--model", "/m", "--port", "1",
+        "--num-decode", "3", "--device", "cpu",
+    ]  # fmt: skip  (the baseline gets all 1 + 2 instances)
     default = cluster_command(SweepConfig(model="/m"), "pull", 1)
     assert default[:4] == [sys.executable, "-m", "disagg.cli", "up"]
     with pytest.raises(ValueError):
