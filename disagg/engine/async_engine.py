@@ -149,12 +149,20 @@ class AsyncEngine:
                 if outputs:
                     self._publish(outputs)
                 elif not self.engine.scheduler.has_unfinished:
-                    self._wakeup.wait(_KV_POLL_S)  # only KV in flight: poll, don't spin
-                    self._wakeup.clear()
+                    self._wait_for_kv()
         except Exception as exc:  # the loop must report its death, not vanish
             log.exception("engine loop died")
             self._dead = f"{type(exc).__name__}: {exc}"
             self._fail_all()
+
+    def _wait_for_kv(self) -> None:
+        """Only KV in flight: poll the loop's own transfers often; anything the connector's
+        threads learn wakes us through report(), so otherwise sleep (deadlines checked at
+        _IDLE_WAIT_S). Spinning empty steps here took a core from the prefill next door."""
+        connector = self.engine.connector
+        polls = connector is not None and connector.needs_loop_poll()
+        self._wakeup.wait(_KV_POLL_S if polls else _IDLE_WAIT_S)
+        self._wakeup.clear()
 
     def _drain_commands(self) -> None:
         while True:

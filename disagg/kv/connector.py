@@ -63,5 +63,10 @@ class KVConnector(abc.ABC):
     def has_pending(self) -> bool:
         """True while any transfer or reservation is outstanding (the loop keeps polling)."""
 
+    def needs_loop_poll(self) -> bool:
+        """True while the engine loop must poll transfers itself (it then sleeps only briefly
+        between empty steps); False when every result arrives by report() and wake-up."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background threads and release the transport."""

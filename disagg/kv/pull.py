@@ -44,12 +44,13 @@ def _cdiv(a: int, b: int) -> int:
 
 class PullConnector(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Before the base starts the listener thread, which calls has_pending().
         self._new: list[_Load] = []  # allocated this step (build_meta hands them over)
         self._pending: list[_Load] = []  # waiting for a handshake (engine loop only)
         self._in_flight: dict[str, _Load] = {}  # READ posted (engine loop only)
         self._zombies: dict[str, _Load] = {}  # gave up on, but may still land: poll to settle
         self._leases: dict[str, float] = {}  # prefill side: request id -> deadline (monotonic)
+        super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -202,6 +203,9 @@ class PullConnector(ConnectorBase):
         for request_id in expired:
             self.stats["expired_leases"] += 1
             self.report(sent=request_id)
+
+    def needs_loop_poll(self) -> bool:
+        return bool(self._pending or self._in_flight or self._zombies)
 
     def has_pending(self) -> bool:
         return bool(self._pending or self._in_flight or self._zombies or self._leases)

@@ -74,12 +74,13 @@ class _Write:  # prefill side: a posted WRITE
 
 class PushConnector(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Before the base starts the listener thread, which calls has_pending().
         self._reservations: dict[str, _Reservation] = {}  # decode: transfer id -> reservation
         self._ready: dict[str, _Ready] = {}  # prefill: transfer id -> finished prefill
         self._regs: dict[str, _Registration] = {}  # prefill: transfer id -> D's blocks
         self._writes: dict[str, _Write] = {}  # prefill: transfer id -> WRITE in flight
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id (both sides)
+        super().__init__(*args, **kwargs)
         self._wakeup = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         if self.role == "prefill":
