@@ -197,15 +197,17 @@ class Cluster:
 
 
 def _bench_config(
-    cfg: SweepConfig, base_url: str, rate: float, input_len: int, warmup: int
+    cfg: SweepConfig, base_url: str, rate: float, input_len: int, warmup: int, run_index: int
 ) -> BenchConfig:
+    # Fresh prompts for every grid point (a repeated prompt would be a prefix-cache hit on
+    # the prefill side), but the same prompts for the same point in every mode.
     workload = WorkloadConfig(
         dataset="random",
         num_prompts=cfg.num_prompts,
         input_len=input_len,
         output_len=cfg.output_len,
         token_range=cfg.token_range,
-        seed=cfg.seed,
+        seed=cfg.seed + 7919 * run_index,
     )
     return BenchConfig(
         base_url=base_url,
@@ -221,27 +223,27 @@ def _bench_config(
 def _run_grid(cfg: SweepConfig, mode: str, base_url: str) -> list[dict[str, Any]]:
     runs = []
     warmup = cfg.warmup  # once per cluster: the first run pays for it
-    for input_len in cfg.input_lens:
-        for rate in cfg.request_rates:
-            bench_cfg = _bench_config(cfg, base_url, rate, input_len, warmup)
-            result = asyncio.run(run_benchmark(bench_cfg))
-            warmup = 0
-            runs.append(
-                {
-                    "mode": mode,
-                    "request_rate": rate if math.isfinite(rate) else "inf",
-                    "input_len": input_len,
-                    "output_len": cfg.output_len,
-                    **{k: v for k, v in result.items() if k != "request_rate"},
-                }
-            )
-            print(
-                f"[sweep] {mode} rate={rate:g} input={input_len}: "
-                f"{result['completed']}/{cfg.num_prompts} ok, "
-                f"median TTFT {result['median_ttft_ms']:.1f} ms, "
-                f"median TPOT {result['median_tpot_ms']:.1f} ms",
-                file=sys.stderr,
-            )
+    grid = [(n, r) for n in cfg.input_lens for r in cfg.request_rates]
+    for run_index, (input_len, rate) in enumerate(grid):
+        bench_cfg = _bench_config(cfg, base_url, rate, input_len, warmup, run_index)
+        result = asyncio.run(run_benchmark(bench_cfg))
+        warmup = 0
+        runs.append(
+            {
+                "mode": mode,
+                "request_rate": rate if math.isfinite(rate) else "inf",
+                "input_len": input_len,
+                "output_len": cfg.output_len,
+                **{k: v for k, v in result.items() if k != "request_rate"},
+            }
+        )
+        print(
+            f"[sweep] {mode} rate={rate:g} input={input_len}: "
+            f"{result['completed']}/{cfg.num_prompts} ok, "
+            f"median TTFT {result['median_ttft_ms']:.1f} ms, "
+            f"median TPOT {result['median_tpot_ms']:.1f} ms",
+            file=sys.stderr,
+        )
     return runs
 
 
