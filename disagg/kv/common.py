@@ -211,6 +211,14 @@ class ConnectorBase(KVConnector):
             out, self._report = self._report, KVConnectorOutput()
         return out
 
+    def notify_quietly(self, peer: str, message: bytes) -> None:
+        """Best-effort notification (control thread): a peer that is gone has a deadline or a
+        lease that covers whatever this message would have settled."""
+        try:
+            self.transport.send_notif(peer, message)
+        except TransportError:
+            log.info("notification to %s not delivered (peer gone)", peer)
+
     def failure_reason(self, reason: str) -> str:
         """Per-deployment policy: `recompute` tells the scheduler to prefill locally."""
         self.stats["transfers_failed"] += 1

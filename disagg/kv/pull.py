@@ -157,6 +157,11 @@ class PullConnector(ConnectorBase):
 
     def _fail(self, load: _Load, reason: str) -> None:
         self.report(failed=(load.request.request_id, self.failure_reason(reason)))
+        if load.handle is None and load.peer.done() and load.peer.exception() is None:
+            # No READ is in flight and P is reachable: let it free its blocks now rather
+            # than at the end of its lease.
+            message = encode_message("read_done", request_id=load.remote_request_id)
+            self._control.submit(self.notify_quietly, load.peer.result(), message)
 
     def get_finished(self) -> KVConnectorOutput:
         now = time.monotonic()

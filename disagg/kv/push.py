@@ -58,6 +58,7 @@ class _Registration:  # prefill side: where the decode instance wants the KV
     peer: str
     block_ids: list[int]
     received_s: float
+    expires_s: float  # D gives up its reservation by then
 
 
 @dataclass(slots=True, eq=False)
@@ -144,6 +145,9 @@ class PushConnector(ConnectorBase):
                     "engine_id": self.engine_id,
                     "request_id": request_id,
                     "block_ids": reservation.local_ids,
+                    # P keeps the registration as long as we keep the reservation, however
+                    # long its own queue and prefill take.
+                    "ttl_s": self.kv_config.reservation_timeout_s,
                 },
             )
         except (HandshakeError, TimeoutError) as exc:
@@ -250,10 +254,12 @@ class PushConnector(ConnectorBase):
             body = await request.json()
             tid, peer = str(body["transfer_id"]), str(body["engine_id"])
             block_ids = [int(b) for b in body["block_ids"]]
+            ttl_s = float(body.get("ttl_s", self.kv_config.lease_s))
         except (ValueError, KeyError, TypeError) as exc:
             return _error(400, f"bad registration: {exc}")
         with self._wakeup:
-            self._regs[tid] = _Registration(peer, block_ids, time.monotonic())
+            now = time.monotonic()
+            self._regs[tid] = _Registration(peer, block_ids, now, now + ttl_s)
             self._wakeup.notify()
         return web.json_response({"status": "registered"})
 
@@ -370,8 +376,8 @@ class PushConnector(ConnectorBase):
             expired = [self._ready.pop(tid) for tid in stale]
             for ready in expired:
                 self._transfer_of.pop(ready.request_id, None)
-            for tid in [t for t, r in self._regs.items() if now - r.received_s > lease]:
-                del self._regs[tid]  # a registration whose prefill never came
+            for tid in [t for t, r in self._regs.items() if now > r.expires_s]:
+                del self._regs[tid]  # its prefill never came, and D has given up on it
         for ready in expired:
             self.stats["expired_leases"] += 1
             self.report(sent=ready.request_id)
@@ -413,14 +419,8 @@ class PushConnector(ConnectorBase):
         reg = self._regs.pop(tid, None)
         if reg is not None:  # tell D now rather than at its deadline
             message = encode_message("write_failed", transfer_id=tid, reason="prefill aborted")
-            self._control.submit(self._notify_quietly, reg.peer, message)
+            self._control.submit(self.notify_quietly, reg.peer, message)
         return False
-
-    def _notify_quietly(self, peer: str, message: bytes) -> None:
-        try:
-            self.transport.send_notif(peer, message)
-        except TransportError:
-            pass  # gone: its deadline covers it
 
     def has_pending(self) -> bool:
         with self._lock:

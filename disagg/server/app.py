@@ -297,22 +297,26 @@ class _Server:
     async def _end(
         self, run: _Run, outputs: AsyncIterator[RequestOutput] | None, outcome: str
     ) -> None:
-        if not (run.is_engine_finished or run.is_refused or outputs is None):
-            # Shielded: this often runs in a handler that was just cancelled (client gone).
-            await asyncio.shield(self._engine.abort(run.meta.request_id))
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        last = run.last_output
-        self._metrics.observe_finished(
-            finish_reason=run.processor.finish_reason or outcome,
-            num_prompt_tokens=run.num_prompt_tokens,
-            num_output_tokens=run.processor.num_output_tokens,
-            arrival_s=run.arrival_s,
-            first_token_s=run.first_token_s,
-            finish_s=time.monotonic(),
-            breakdown=last.breakdown if last is not None else None,
-        )
+        try:
+            if not (run.is_engine_finished or run.is_refused or outputs is None):
+                # Shielded: this often runs in a handler that was just cancelled (client gone).
+                await asyncio.shield(self._engine.abort(run.meta.request_id))
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            # Recorded even when a second cancellation lands in the awaits above (aiohttp fails
+            # a blocked write with ConnectionResetError, then cancels the handler too).
+            last = run.last_output
+            self._metrics.observe_finished(
+                finish_reason=run.processor.finish_reason or outcome,
+                num_prompt_tokens=run.num_prompt_tokens,
+                num_output_tokens=run.processor.num_output_tokens,
+                arrival_s=run.arrival_s,
+                first_token_s=run.first_token_s,
+                finish_s=time.monotonic(),
+                breakdown=last.breakdown if last is not None else None,
+            )
 
     # ---- instance endpoints -----------------------------------------------------------------
 

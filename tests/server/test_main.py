@@ -29,15 +29,15 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_build_configs() -> None:
     args = _parse(
-        "--model", "m", "--port", "0", "--kv-host", "10.0.0.1", "--kv-port", "7000",
+        "--model", "m", "--port", "0", "--kv-host", "10.0.0.1", "--kv-fault", "fail_transfer",
         "--role", "decode", "--kv-connector", "push", "--no-prefix-caching",
         "--block-size", "32", "--max-model-len", "512", "--lease-s", "2.5",
     )  # fmt: skip
     engine, server = main.build_configs(args)
     assert (engine.model, server.port, server.host) == ("m", 0, "127.0.0.1")
     kv = engine.kv_transfer
-    assert (kv.host, kv.side_port, kv.role, kv.connector, kv.lease_s) == (
-        "10.0.0.1", 7000, "decode", "push", 2.5,
+    assert (kv.host, kv.fault, kv.role, kv.connector, kv.lease_s) == (
+        "10.0.0.1", "fail_transfer", "decode", "push", 2.5,
     )  # fmt: skip
     assert engine.scheduler.enable_prefix_caching is False
     assert (engine.cache.block_size, engine.scheduler.max_model_len) == (32, 512)
@@ -67,6 +67,9 @@ class _FakeAsyncEngine(FakeEngine):
 
     async def shutdown(self) -> None:
         self.events.append("shutdown")
+
+    def set_address(self, host: str, port: int) -> None:
+        self.events.append("address")
 
     def extra_routes(self) -> list[web.RouteDef]:
         async def ping(request: web.Request) -> web.Response:
@@ -108,7 +111,7 @@ def test_serve_until_sigterm(
     assert main.run(_parse("--model", "tiny", "--port", str(port), "--served-model-name", "t")) == 0
     thread.join(timeout=10)
     engine = _FakeAsyncEngine.instances[-1]
-    assert engine.events == ["start", "shutdown"]
+    assert engine.events == ["start", "address", "shutdown"]
     assert engine.model_dir == tokenizer_dir
     assert seen["completion"].status_code == 200 and seen["completion"].json()["model"] == "t"
     assert seen["extra"] == {"pong": True}

@@ -1,0 +1,482 @@
+"""Real `disagg serve` / `disagg route` processes for the end-to-end tests, and a small client.
+
+Owns child processes only: each binds port 0 on 127.0.0.1 and prints its address; every wait
+has a deadline; teardown is SIGTERM, then SIGKILL; children die with the test process
+(PR_SET_PDEATHSIG); the tail of each child's log explains a failure. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "Answer",
+    "Cluster",
+    "OpenStream",
+    "Proc",
+    "Reference",
+    "Stream",
+    "assert_pools_full",
+    "complete",
+    "completion_body",
+    "open_stream",
+    "prompt_ids",
+    "read_chunks",
+    "run_all",
+    "running_cluster",
+    "stream",
+    "wait_until",
+]
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 180.0  # a cold start imports torch; several start at once on two cores
+STOP_TIMEOUT_S = 10.0  # SIGTERM -> exit; then SIGKILL
+REQUEST_TIMEOUT_S = 60.0  # the longest silence a test client accepts before calling it a hang
+POOL_TIMEOUT_S = 10.0  # blocks are freed asynchronously (notifications, aborts, leases)
+LOG_TAIL_LINES = 25
+_READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
+_POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the test process (the spawning thread) exits."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+@dataclass(slots=True, eq=False)
+class Proc:
+    """One child: an engine instance or a router."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+    url: str = ""  # known once the child printed its ready line
+
+    # ---- lifecycle
+
+    @property
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def poll_ready(self) -> bool:
+        """True once the child listens and answers /health with 200."""
+        if not self.url:
+            found = _READY.search(self.log_path.read_bytes())
+            if found is None:
+                return False
+            self.url = found.group(1).decode()
+        try:
+            return self.get_status("/health") == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; returns once the child is gone."""
+        if self.is_alive:
+            self.popen.terminate()
+        try:
+            self.popen.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup (a crash, as far as peers can tell)."""
+        if self.is_alive:
+            self.popen.kill()
+        self.popen.wait(STOP_TIMEOUT_S)
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-num_lines:])
+
+    def describe(self) -> str:
+        state = "running" if self.is_alive else f"exited {self.popen.returncode}"
+        return (
+            f"--- {self.name} ({state}, {self.url or 'no url'}) {self.log_path}\n{self.log_tail()}"
+        )
+
+    # ---- HTTP
+
+    def get_status(self, path: str) -> int:
+        return _request(self.url, "GET", path, None, timeout_s=2.0)[0]
+
+    def get_json(self, path: str) -> Any:
+        status, raw = _request(self.url, "GET", path, None, timeout_s=5.0)
+        assert status == 200, f"{self.name} GET {path}: HTTP {status}: {raw[:200]!r}"
+        return json.loads(raw)
+
+    def load(self) -> dict[str, int]:
+        return self.get_json("/load")
+
+    def kv_info(self) -> dict[str, Any]:
+        return self.get_json("/kv_info")
+
+    def stats(self) -> dict[str, float]:
+        """The KV connector's counters (transfers, expired_leases, handshakes_refused...)."""
+        return self.kv_info()["stats"]
+
+    def num_finished(self, finish_reason: str) -> float:
+        """Requests this instance finished with `finish_reason` ("length", "abort", "error")."""
+        status, raw = _request(self.url, "GET", "/metrics", None, timeout_s=5.0)
+        assert status == 200, f"{self.name} GET /metrics: HTTP {status}"
+        line = f'disagg_requests_total{{finish_reason="{finish_reason}"}} '
+        found = [row for row in raw.decode().splitlines() if row.startswith(line)]
+        return float(found[0].split()[-1]) if found else 0.0
+
+
+def _request(url: str, method: str, path: str, body: Any, *, timeout_s: float) -> tuple[int, bytes]:
+    conn = _connect(url, timeout_s)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers=_JSON_HEADERS)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _connect(url: str, timeout_s: float) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+
+
+class Cluster:
+    """The children of one test module; `stop()` stops them (by default every one)."""
+
+    def __init__(self, log_dir: Path, model_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.model_dir = model_dir
+        self.procs: list[Proc] = []
+
+    def serve(
+        self,
+        name: str,
+        *,
+        role: str = "both",
+        connector: str = "pull",
+        transport: str = "nixl",
+        model_dir: Path | None = None,
+        args: Iterable[str] = (),
+    ) -> Proc:
+        """Start `disagg serve` (one torch thread, a free port); does not wait for it."""
+        argv = ["serve", "--model", str(model_dir or self.model_dir), "--host", HOST]
+        argv += ["--port", "0", "--num-threads", "1", "--role", role]
+        if role != "both":
+            argv += ["--kv-connector", connector, "--kv-transport", transport, "--kv-host", HOST]
+        return self._spawn(name, [*argv, *args])
+
+    def route(
+        self,
+        name: str,
+        prefill: Iterable[Proc],
+        decode: Iterable[Proc],
+        *,
+        mode: str,
+        policy: str = "round_robin",
+    ) -> Proc:
+        """Start `disagg route` over ready instances and wait until it is ready too."""
+        argv = ["route", "--host", HOST, "--port", "0", "--mode", mode, "--policy", policy]
+        argv += ["--prefill", *(p.url for p in prefill)] if mode != "aggregated" else []
+        argv += ["--decode", *(d.url for d in decode)]
+        router = self._spawn(name, argv)
+        self.wait_ready(router)
+        return router
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
+        argv = [sys.executable, "-m", "disagg.cli", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,  # run in the child before exec
+            )
+        proc = Proc(name, argv, log_path, popen)
+        self.procs.append(proc)
+        return proc
+
+    def wait_ready(self, *procs: Proc, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every given child (default: every one started) answers /health."""
+        waiting = [p for p in (procs or self.procs) if p.is_alive or not p.url]
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            for proc in list(waiting):
+                if not proc.is_alive:
+                    raise RuntimeError(f"{proc.name} exited during start\n{proc.describe()}")
+                if proc.poll_ready():
+                    waiting.remove(proc)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in waiting)
+                raise TimeoutError(f"not ready after {timeout_s}s: {names}\n{self.describe()}")
+            time.sleep(_POLL_S)
+
+    def stop(self, *procs: Proc) -> None:
+        """Stop the given children (default: all), all at once: SIGTERM, wait, SIGKILL."""
+        targets = list(procs or self.procs)
+        for proc in targets:
+            if proc.is_alive:
+                proc.popen.terminate()
+        for proc in targets:
+            proc.stop()
+
+    def describe(self) -> str:
+        """Every child's state and log tail, for a failure report."""
+        return "\n".join(proc.describe() for proc in self.procs)
+
+
+@contextlib.contextmanager
+def running_cluster(
+    request: pytest.FixtureRequest, name: str, model_dir: Path
+) -> Iterator[Cluster]:
+    """A Cluster for one fixture scope: its children are stopped on exit, and their log tails
+    are printed to the terminal when a test failed while they ran."""
+    log_dir = request.getfixturevalue("tmp_path_factory").mktemp(name)
+    cluster = Cluster(log_dir, model_dir)
+    num_failed = request.session.testsfailed
+    try:
+        yield cluster
+    finally:
+        if request.session.testsfailed > num_failed:
+            _print_to_terminal(request, f"\n===== {name}: children's logs\n{cluster.describe()}")
+        cluster.stop()
+
+
+def _print_to_terminal(request: pytest.FixtureRequest, text: str) -> None:
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(text)
+    else:
+        print(text, file=sys.stderr)
+
+
+# ---- pools -----------------------------------------------------------------------------------
+
+
+def assert_pools_full(*procs: Proc, timeout_s: float = POOL_TIMEOUT_S) -> None:
+    """Every pool back to full (frees are asynchronous, so poll until the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    loads: dict[str, dict[str, int]] = {}
+    while True:
+        loads = {p.name: p.load() for p in procs if p.is_alive}
+        leaking = {
+            n: ld for n, ld in loads.items() if ld["num_free_blocks"] != ld["num_total_blocks"]
+        }
+        if not leaking:
+            return
+        if time.monotonic() > deadline:
+            tails = "\n".join(p.describe() for p in procs)
+            raise AssertionError(f"blocks still held after {timeout_s}s: {leaking}\n{tails}")
+        time.sleep(_POLL_S)
+
+
+# ---- client ----------------------------------------------------------------------------------
+
+
+def prompt_ids(seed: int, num_tokens: int, vocab_size: int = 2048) -> list[int]:
+    """A seeded prompt of ordinary token ids (ids 0-2 are the tiny tokenizer's special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(num_tokens)]
+
+
+def completion_body(prompt_ids: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy /v1/completions body over token ids that never stops early."""
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {**body, **extra}
+
+
+@dataclass(slots=True)
+class Answer:
+    """A non-streamed answer: HTTP status and the JSON body (None if it was not JSON)."""
+
+    status: int
+    body: Any
+    elapsed_s: float
+
+    @property
+    def text(self) -> str:
+        assert self.status == 200, f"HTTP {self.status}: {self.body}"
+        return self.body["choices"][0]["text"]
+
+    @property
+    def error_message(self) -> str:
+        try:
+            return str(self.body["error"]["message"])
+        except (KeyError, TypeError):
+            return repr(self.body)
+
+
+def complete(url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S) -> Answer:
+    """POST /v1/completions (non-streamed); a silence longer than timeout_s raises."""
+    started = time.monotonic()
+    status, raw = _request(url, "POST", "/v1/completions", body, timeout_s=timeout_s)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    return Answer(status, parsed, time.monotonic() - started)
+
+
+@dataclass(slots=True)
+class Stream:
+    """A streamed answer: the SSE events in order ("[DONE]" kept as a string)."""
+
+    status: int
+    events: list[Any] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(e["choices"][0]["text"] for e in self.events if _is_chunk(e))
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [e["choices"][0].get("finish_reason") for e in self.events if _is_chunk(e)]
+        return next((r for r in reversed(reasons) if r), None)
+
+    @property
+    def error(self) -> str | None:
+        for event in self.events:
+            if isinstance(event, dict) and "error" in event:
+                return str(event["error"].get("message"))
+        return None
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+
+def _is_chunk(event: Any) -> bool:
+    return isinstance(event, dict) and bool(event.get("choices"))
+
+
+class OpenStream:
+    """A streamed request, sent at once; its answer is read lazily, one event at a time, and
+    `close()` hangs up at any point (before the headers or mid-stream)."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout_s: float) -> None:
+        self._conn = _connect(url, timeout_s)
+        payload = json.dumps({**body, "stream": True})
+        self._conn.request("POST", "/v1/completions", payload, _JSON_HEADERS)
+        self._sock = self._conn.sock  # kept: http.client may hand it to the response
+        self._resp: http.client.HTTPResponse | None = None
+
+    @property
+    def resp(self) -> http.client.HTTPResponse:
+        if self._resp is None:
+            self._resp = self._conn.getresponse()
+        return self._resp
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
+
+    def events(self) -> Iterator[Any]:
+        """SSE `data:` payloads as they arrive (JSON, or "[DONE]"); a non-SSE body is one event."""
+        if self.resp.getheader("Content-Type", "").split(";")[0] != "text/event-stream":
+            raw = self.resp.read()
+            yield json.loads(raw) if raw else None
+            return
+        while line := self.resp.readline():
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line.removeprefix(b"data:").strip()
+            yield "[DONE]" if payload == b"[DONE]" else json.loads(payload)
+
+    def close(self) -> None:
+        """Hang up now: the server sees the connection end even if references linger."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if self._resp is not None:
+            self._resp.close()
+        self._conn.close()
+
+
+def open_stream(
+    url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S
+) -> OpenStream:
+    return OpenStream(url, body, timeout_s)
+
+
+def stream(url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S) -> Stream:
+    """POST /v1/completions with stream=true and read every event."""
+    started = time.monotonic()
+    opened = open_stream(url, body, timeout_s=timeout_s)
+    try:
+        events = list(opened.events())
+    finally:
+        opened.close()
+    return Stream(opened.status, events, time.monotonic() - started)
+
+
+def read_chunks(opened: OpenStream, num_chunks: int) -> None:
+    """Read until `num_chunks` text chunks arrived (the request is decoding)."""
+    events = opened.events()
+    for _ in range(num_chunks):
+        event = next(events)
+        assert _is_chunk(event), f"expected a text chunk, got {event!r}"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+class Reference:
+    """The aggregated instance's text for a request body, asked once per body."""
+
+    def __init__(self, cluster: Cluster, aggregated: Proc) -> None:
+        self._cluster = cluster
+        self._aggregated = aggregated
+        self._texts: dict[str, str] = {}
+
+    def __call__(self, body: dict[str, Any]) -> str:
+        key = json.dumps(body, sort_keys=True)
+        if key not in self._texts:
+            self._cluster.wait_ready(self._aggregated)
+            self._texts[key] = complete(self._aggregated.url, {**body, "stream": False}).text
+        return self._texts[key]
+
+
+def run_all(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """fn over items, all at once (one thread each): concurrent clients."""
+    with ThreadPoolExecutor(max(1, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = POOL_TIMEOUT_S) -> Any:
+    """Poll `condition` until it returns something true (returned); AssertionError at timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting until {what}"
+        time.sleep(0.02)
+    return value

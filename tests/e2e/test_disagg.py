@@ -1,0 +1,331 @@
+"""End to end, real processes: prefill, decode and aggregated instances behind the router.
+
+Proves, for pull and push over nixl and tcp, that greedy output through the router equals an
+aggregated instance's (single, 32 concurrent, streamed), that push pairs D's registration with
+P's prefill in either order, that a client who hangs up frees every block, that least_loaded
+late binding avoids a busy decode instance, and that an incompatible peer is refused at
+handshake with the reason in the client's error. Every test ends with every pool full.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import (
+    Cluster,
+    OpenStream,
+    Proc,
+    Reference,
+    assert_pools_full,
+    complete,
+    completion_body,
+    open_stream,
+    prompt_ids,
+    read_chunks,
+    run_all,
+    running_cluster,
+    stream,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+PULL_NIXL, PULL_TCP = ("pull", "nixl"), ("pull", "tcp")
+PUSH_NIXL, PUSH_TCP = ("push", "nixl"), ("push", "tcp")
+PAIRS = [PULL_NIXL, PULL_TCP, PUSH_NIXL, PUSH_TCP]
+# Push prefill runs chunks of 32 tokens, so a long prompt's prefill spans many engine steps and
+# D's registration reliably arrives before it ends.
+PUSH_PREFILL_ARGS = ("--max-num-batched-tokens", "32")
+LONG_PROMPT_TOKENS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One prefill and one decode instance of a (mode, transport), a router over them, and the
+    extra decode instances some tests pair with the same P (started together, so in parallel)."""
+
+    mode: str
+    transport: str
+    prefill: Proc
+    decode: Proc
+    router: Proc
+    extras: dict[str, Proc]
+
+    @property
+    def instances(self) -> tuple[Proc, Proc]:
+        return self.prefill, self.decode
+
+
+def _pair_id(pair: tuple[str, str]) -> str:
+    return "-".join(pair)
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
+    with running_cluster(request, "e2e-disagg", tiny_qwen3_dir) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def aggregated(cluster: Cluster) -> Proc:
+    """The baseline (role both). Started, not awaited: it warms up with the first pair."""
+    return cluster.serve("aggregated")
+
+
+@pytest.fixture(scope="module")
+def reference(aggregated: Proc, cluster: Cluster) -> Reference:
+    return Reference(cluster, aggregated)
+
+
+@pytest.fixture(scope="module")
+def three_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 with one more layer: same vocabulary, different KV shape."""
+    from disagg.engine.make_model import write_checkpoint  # torch: only when this test runs
+
+    return write_checkpoint(
+        tmp_path_factory.mktemp("qwen3-3l"),
+        arch="qwen3",
+        num_layers=3,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=2048,
+        seed=1,
+    )
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=_pair_id)
+def pair(request: pytest.FixtureRequest, cluster: Cluster, aggregated: Proc) -> Iterator[Pair]:
+    """P + D + router of one (mode, transport); pytest groups the tests by it, so one pair runs
+    at a time."""
+    mode, transport = request.param
+    name = f"{mode}-{transport}"
+    extra = PUSH_PREFILL_ARGS if mode == "push" else ()
+    common = {"connector": mode, "transport": transport}
+    prefill = cluster.serve(f"prefill-{name}", role="prefill", args=extra, **common)
+    decode = cluster.serve(f"decode-{name}", role="decode", **common)
+    extras = _start_extras(request, cluster, mode, transport)
+    cluster.wait_ready()
+    router = cluster.route(f"router-{name}", [prefill], [decode], mode=mode)
+    yield Pair(mode, transport, prefill, decode, router, extras)
+    cluster.stop(router, prefill, decode, *extras.values())
+
+
+def _start_extras(
+    request: pytest.FixtureRequest, cluster: Cluster, mode: str, transport: str
+) -> dict[str, Proc]:
+    """The decode instances the pair-specific tests below need, by their key."""
+    common = {"role": "decode", "connector": mode, "transport": transport}
+    if mode == "push":
+        late = ["--kv-fault", "delay_register:1.0"]
+        return {"late": cluster.serve(f"decode-late-{transport}", args=late, **common)}
+    if transport != "nixl":
+        return {}
+    three_layers = request.getfixturevalue("three_layer_dir")
+    return {
+        "idle": cluster.serve("decode-idle", **common),
+        "model": cluster.serve("decode-other-model", model_dir=three_layers, **common),
+        "block_size": cluster.serve(
+            "decode-other-block-size", args=["--block-size", "32"], **common
+        ),
+    }
+
+
+# ---- output equals aggregated ----------------------------------------------------------------
+
+
+def test_single_request_matches_aggregated(pair: Pair, reference: Reference, aggregated: Proc):
+    """One greedy request through the router: the aggregated text, from KV that moved (D counts
+    a transfer; the breakdown carries transfer_s and bytes), and every pool full after."""
+    body = completion_body(prompt_ids(1, 40), 12)
+    before = pair.decode.stats()["transfers"]
+    answer = complete(pair.router.url, body)
+    assert answer.status == 200, answer.body
+    assert answer.text == reference(body)
+    assert answer.body["usage"]["completion_tokens"] == 12
+    breakdown = answer.body["disagg"]["breakdown"]
+    assert breakdown["num_bytes"] > 0 and breakdown["transfer_s"] >= 0, breakdown
+    assert pair.decode.stats()["transfers"] == before + 1
+    assert_pools_full(*pair.instances, aggregated)
+
+
+def test_concurrent_mixed_requests_match_aggregated(pair: Pair, reference: Reference):
+    """32 concurrent requests, prompts of 5..200 tokens, max_tokens 1..40: each equals the
+    aggregated output, each handoff was a transfer, and every pool is full after."""
+    rng = random.Random(7)
+    bodies = [
+        completion_body(prompt_ids(100 + i, rng.randint(5, 200)), rng.choice([1, 2, 9, 17, 40]))
+        for i in range(32)
+    ]
+    bodies[0] = completion_body(prompt_ids(99, 5), 1)  # shortest prompt, only P's token
+    before = pair.decode.stats()["transfers"]
+    answers = run_all(lambda body: complete(pair.router.url, body), bodies)
+    expected = run_all(reference, bodies)
+    assert [a.status for a in answers] == [200] * 32, [a.body for a in answers if a.status != 200]
+    mismatched = [
+        i for i, (a, want) in enumerate(zip(answers, expected, strict=True)) if a.text != want
+    ]
+    assert not mismatched, f"outputs differ from aggregated for requests {mismatched}"
+    assert pair.decode.stats()["transfers"] == before + 32
+    assert_pools_full(*pair.instances)
+
+
+def test_streaming_matches_aggregated(pair: Pair, reference: Reference):
+    """Streamed (SSE) through the router, four at once: the chunks join to the aggregated
+    text, the last chunk has finish_reason length, the stream ends with [DONE]; pools full."""
+    bodies = [completion_body(prompt_ids(200 + i, 30 + 25 * i), 10 + 5 * i) for i in range(4)]
+    streams = run_all(lambda body: stream(pair.router.url, {**body, "stream": True}), bodies)
+    for body, got in zip(bodies, streams, strict=True):
+        assert got.status == 200 and got.error is None, got.events
+        assert got.is_done and got.finish_reason == "length"
+        assert got.text == reference(body)
+    assert_pools_full(*pair.instances)
+
+
+# ---- client disconnects ----------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_frees_blocks(pair: Pair, reference: Reference):
+    """A client that hangs up mid-stream: D aborts the request at once (not after its 3000
+    tokens), P and D pools are full, and the next request is still right."""
+    opened = open_stream(pair.router.url, completion_body(prompt_ids(300, 60), 3000))
+    assert opened.status == 200
+    read_chunks(opened, 3)
+    aborted = pair.decode.num_finished("abort")
+    opened.close()
+    assert_pools_full(*pair.instances, timeout_s=5.0)
+    wait_until(lambda: pair.decode.num_finished("abort") > aborted, "D counted the abort")
+    body = completion_body(prompt_ids(301, 60), 8)
+    assert complete(pair.router.url, body).text == reference(body)
+
+
+@pytest.mark.parametrize("pair", [PUSH_NIXL, PUSH_TCP], indirect=True, ids=_pair_id)
+def test_push_abort_while_write_may_be_in_flight(pair: Pair, reference: Reference):
+    """Push: eight clients hang up at staggered times around the ends of their prefills, so
+    aborts reach D before, while and after P's WRITE into D's reserved blocks, while eight other
+    requests run beside them. Those eight get the aggregated output (no block of theirs was
+    one a stale write could still land in); afterwards nothing is pending on either side,
+    every pool is full, and the aborted prompts, sent again, give the aggregated output."""
+    aborted = [completion_body(prompt_ids(400 + i, 600), 200) for i in range(8)]
+    beside = [completion_body(prompt_ids(420 + i, 40 + 30 * i), 20) for i in range(8)]
+    with ThreadPoolExecutor(len(beside)) as pool:
+        answers = pool.map(lambda body: complete(pair.router.url, body), beside)
+        _hang_up_staggered([open_stream(pair.router.url, body) for body in aborted], 0.2)
+        assert [a.text for a in answers] == [reference(body) for body in beside]
+    assert_pools_full(*pair.instances)
+    for proc in pair.instances:
+        wait_until(lambda p=proc: not any(p.kv_info()["pending"].values()), f"{proc.name} idle")
+    answers = run_all(lambda body: complete(pair.router.url, body), aborted[:2])
+    assert [a.text for a in answers] == [reference(body) for body in aborted[:2]]
+    assert_pools_full(*pair.instances)
+
+
+def _hang_up_staggered(streams: list[OpenStream], interval_s: float) -> None:
+    started = time.monotonic()
+    for i, opened in enumerate(streams):
+        time.sleep(max(0.0, started + interval_s * i - time.monotonic()))
+        opened.close()
+
+
+# ---- push: registration before and after prefill ends ----------------------------------------
+
+
+@pytest.mark.parametrize("pair", [PUSH_NIXL, PUSH_TCP], indirect=True, ids=_pair_id)
+def test_push_registration_before_prefill_ends(pair: Pair, reference: Reference):
+    """A long prompt prefilled in 32-token chunks: D's registration reaches P first
+    (registrations_before_ready +1), and the output is right."""
+    body = completion_body(prompt_ids(500, LONG_PROMPT_TOKENS), 6)
+    before = pair.prefill.stats()
+    answer = complete(pair.router.url, body)
+    after = pair.prefill.stats()
+    assert answer.status == 200, answer.body
+    assert answer.text == reference(body)
+    assert after["registrations_before_ready"] == before["registrations_before_ready"] + 1
+    assert after["registrations_after_ready"] == before["registrations_after_ready"]
+    assert_pools_full(*pair.instances)
+
+
+@pytest.mark.parametrize("pair", [PUSH_NIXL, PUSH_TCP], indirect=True, ids=_pair_id)
+def test_push_registration_after_prefill_ends(pair: Pair, cluster: Cluster, reference: Reference):
+    """A decode instance that registers 1 s late (fault delay_register:1.0): P finishes first
+    and holds its blocks for the late registration (registrations_after_ready +1), output right."""
+    late = pair.extras["late"]
+    router = cluster.route("router-late", [pair.prefill], [late], mode="push")
+    try:
+        body = completion_body(prompt_ids(600, 40), 8)
+        before = pair.prefill.stats()
+        answer = complete(router.url, body)
+        after = pair.prefill.stats()
+        assert answer.status == 200, answer.body
+        assert answer.text == reference(body)
+        assert after["registrations_after_ready"] == before["registrations_after_ready"] + 1
+        assert after["registrations_before_ready"] == before["registrations_before_ready"]
+        assert_pools_full(pair.prefill, late)
+    finally:
+        cluster.stop(router)
+
+
+# ---- late binding: least_loaded ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pair", [PULL_NIXL], indirect=True, ids=_pair_id)
+def test_least_loaded_avoids_busy_decode(pair: Pair, cluster: Cluster, reference: Reference):
+    """Pull + least_loaded with two decode instances, one busy with four long streams sent to
+    it directly: three routed requests all land on the idle one (its transfers +3, the busy
+    one's +0) and are right; after the busy streams hang up every pool is full."""
+    busy, idle = pair.decode, pair.extras["idle"]
+    router = cluster.route(
+        "router-least-loaded", [pair.prefill], [busy, idle], mode="pull", policy="least_loaded"
+    )
+    streams = [
+        open_stream(busy.url, completion_body(prompt_ids(700 + i, 20), 3000)) for i in range(4)
+    ]
+    try:
+        for opened in streams:
+            read_chunks(opened, 1)
+        wait_until(lambda: busy.load()["num_running"] == 4, "busy decode runs its four streams")
+        before = {d.name: d.stats()["transfers"] for d in (busy, idle)}
+        for i in range(3):
+            body = completion_body(prompt_ids(710 + i, 50), 8)
+            assert complete(router.url, body).text == reference(body)
+        after = {d.name: d.stats()["transfers"] for d in (busy, idle)}
+        assert after[idle.name] == before[idle.name] + 3, (before, after)
+        assert after[busy.name] == before[busy.name], (before, after)
+    finally:
+        for opened in streams:
+            opened.close()
+        assert_pools_full(pair.prefill, busy, idle)
+        cluster.stop(router)
+
+
+# ---- incompatible peers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pair", [PULL_NIXL], indirect=True, ids=_pair_id)
+@pytest.mark.parametrize("field", ["model", "block_size"])
+def test_incompatible_decode_is_refused_at_handshake(pair: Pair, cluster: Cluster, field: str):
+    """A decode instance with another model (3 layers, not 2) or another block size (32, not
+    16): P refuses its handshake (handshakes_refused +1), the client's error names the field,
+    and no block is held anywhere."""
+    decode = pair.extras[field]
+    router = cluster.route(f"router-other-{field}", [pair.prefill], [decode], mode="pull")
+    try:
+        before = pair.prefill.stats()["handshakes_refused"]
+        answer = complete(router.url, completion_body(prompt_ids(800, 40), 8), timeout_s=30)
+        assert answer.status >= 400, answer.body
+        assert f"{field} differs" in answer.error_message, answer.error_message
+        assert pair.prefill.stats()["handshakes_refused"] == before + 1
+        assert_pools_full(pair.prefill, decode)
+    finally:
+        cluster.stop(router)
