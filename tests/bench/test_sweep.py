@@ -45,10 +45,11 @@ def test_cluster_command_line() -> None:
         "up", "--mode", "push", "--model", "/m", "--port", "8123",
         "--num-prefill", "1", "--num-decode", "2", "--device", "cpu",
     ]  # fmt: skip
+    # The aggregated baseline gets all 1 + 2 instances.
     assert cluster_command(cfg, "aggregated", 1) == [
         "up", "--mode", "aggregated", "--model", "/m", "--port", "1",
         "--num-decode", "3", "--device", "cpu",
-    ]  # fmt: skip  (the baseline gets all 1 + 2 instances)
+    ]  # fmt: skip
     default = cluster_command(SweepConfig(model="/m"), "pull", 1)
     assert default[:4] == [sys.executable, "-m", "disagg.cli", "up"]
     with pytest.raises(ValueError):

@@ -167,7 +167,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: str) -> None:
     body |= {"stream": True, "temperature": 0, "ignore_eos": True}
     with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=30) as sock:
         payload = json.dumps(body).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         head += f"Content-Length: {len(payload)}\r\n\r\n"
         sock.sendall(head.encode() + payload)
         received = b""
