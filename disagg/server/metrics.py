@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -70,6 +70,7 @@ class ServerMetrics:
             "disagg_kv_transfer_bytes", "Bytes per KV handoff", buckets=_BYTE_BUCKETS, registry=r
         )
         r.register(_LoadCollector(engine))
+        r.register(_ConnectorCollector(engine))
 
     def observe_finished(
         self,
@@ -130,3 +131,27 @@ class _LoadCollector(Collector):
         for key, (name, text) in _LOAD_GAUGES.items():
             if key in load:
                 yield GaugeMetricFamily(name, text, value=load[key])
+
+
+class _ConnectorCollector(Collector):
+    """The KV connector's cumulative statistics (transfers, bytes, descriptors, failures,
+    expired leases and reservations, handshakes), read from kv_info() at scrape time."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # the set depends on the connector; nothing to declare up front
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.kv_info().get("stats") or {}
+        for key, value in stats.items():
+            yield CounterMetricFamily(_counter_name(key), f"KV connector: {key}", value=value)
+
+
+def _counter_name(stat: str) -> str:
+    """`transfer_s_total` -> `disagg_kv_transfer_seconds`, `bytes` -> `disagg_kv_bytes`
+    (the client library appends `_total`)."""
+    base = stat.removesuffix("_total")
+    base = base.removesuffix("_s") + "_seconds" if base.endswith("_s") else base
+    return f"disagg_kv_{base}"

@@ -1,0 +1,39 @@
+"""The benchmark against a live aggregated `disagg serve` (a real engine in its own process):
+exact output lengths, every request completed, and the server's TTFT breakdown collected."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from disagg.bench.main import BenchConfig, run_benchmark
+from disagg.bench.workload import WorkloadConfig
+from tests.e2e.cluster import Proc, running_cluster
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Proc]:
+    with running_cluster(request, "bench-live", tiny_qwen3_dir) as cluster:
+        proc = cluster.serve("aggregated")
+        cluster.wait_ready(proc)
+        yield proc
+
+
+@pytest.mark.parametrize("dataset", ["random", "prefix"])
+def test_bench_against_live_server(server: Proc, dataset: str) -> None:
+    workload = WorkloadConfig(
+        dataset=dataset, num_prompts=6, input_len=24, output_len=5, prefix_len=32, seed=3
+    )
+    cfg = BenchConfig(base_url=server.url, workload=workload, request_rate=20.0, warmup=1)
+    result = asyncio.run(run_benchmark(cfg))
+    assert result["completed"] == 6 and not any(result["errors"])
+    assert result["output_lens"] == [5] * 6  # ignore_eos + max_tokens: exact
+    expected_input = 24 if dataset == "random" else 32 + 24
+    assert result["input_lens"] == [expected_input] * 6
+    assert 0 < result["median_ttft_ms"] < result["median_e2el_ms"]
+    assert result["mean_tpot_ms"] > 0 and result["output_throughput"] > 0
+    breakdown = result["mean_breakdown_ms"]
+    assert breakdown["prefill"] > 0 and "queue" in breakdown
