@@ -99,6 +99,7 @@ class ConnectorBase(KVConnector):
         self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")  # FIFO to peers
         self.stats: dict[str, float] = dict.fromkeys(_STAT_NAMES, 0)
         self._stopping = threading.Event()
+        self.listen_cap_s = _LISTEN_SLOW_S  # slowest notification poll while something pends
         self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
         self._listener.start()
 
@@ -245,7 +246,7 @@ class ConnectorBase(KVConnector):
                 if message is not None:
                     self.on_message(peer, message)
             self.on_tick()
-            interval = _LISTEN_FAST_S if notifs else min(interval * 2, _LISTEN_SLOW_S)
+            interval = _LISTEN_FAST_S if notifs else min(interval * 2, self.listen_cap_s)
             # Subclasses create what has_pending() reads before ConnectorBase.__init__ runs.
             self._stopping.wait(interval if self.has_pending() else _IDLE_LISTEN_INTERVAL_S)
 

@@ -29,6 +29,7 @@ __all__ = ["PushConnector"]
 
 _NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 _WRITER_POLL_S = 0.0005  # writer thread poll period while writes are in flight
+_NOTIFY_POLL_S = 0.0005  # decode side: slowest poll for write_done while a reservation waits
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -82,6 +83,9 @@ class PushConnector(ConnectorBase):
         self._writes: dict[str, _Write] = {}  # prefill: transfer id -> WRITE in flight
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id (both sides)
         super().__init__(*args, **kwargs)
+        if self.role == "decode":
+            # P's write_done is on the TTFT path here: poll for it at least every 0.5 ms.
+            self.listen_cap_s = _NOTIFY_POLL_S
         self._wakeup = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         if self.role == "prefill":
