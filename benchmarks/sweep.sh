@@ -11,7 +11,7 @@ OUT="${OUT:-docs/results}"
   --kv-heads 4 --head-dim 64 --intermediate 256 --vocab 4096 --max-pos 16384 --seed 0 \
   --out "$MODEL" >/dev/null
 disagg bench sweep --model "$MODEL" --modes aggregated,pull,push \
-  --request-rates "${RATES:-0.5,1,1.5}" --input-lens "${LENS:-256,1024,4096}" --output-len 32 \
-  --num-prompts "${PROMPTS:-16}" --warmup 3 --token-range 100:4000 --seed 0 \
+  --request-rates "${RATES:-0.5,1.5,3}" --input-lens "${LENS:-256,1024,4096}" --output-len 32 \
+  --num-prompts "${PROMPTS:-20}" --warmup 3 --token-range 100:4000 --seed 0 \
   --output-dir "$OUT" --log-dir "$(mktemp -d)" \
   --up-args="-- --num-blocks 8192 --max-num-batched-tokens 4096 --max-model-len 8192"
