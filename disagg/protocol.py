@@ -97,6 +97,7 @@ class KVTransferParams:
     transfer_id: str | None = None  # push: one fresh id per dispatch, keys the two legs
     num_prompt_tokens: int | None = None  # tokens whose KV P computed
     first_token_id: int | None = None  # the token P sampled; D emits it as its first token
+    lease_s: float | None = None  # pull: P frees the blocks this long after answering
     connector: str | None = None  # "pull" | "push": both legs must agree
 
     @classmethod
@@ -124,6 +125,10 @@ class KVTransferParams:
             raise TypeError("kv_transfer_params.remote_block_ids must be a list of block ids")
         if self.remote_port is not None and type(self.remote_port) is not int:
             raise TypeError("kv_transfer_params.remote_port must be an integer")
+        if self.lease_s is not None and (
+            not isinstance(self.lease_s, int | float) or isinstance(self.lease_s, bool)
+        ):
+            raise TypeError("kv_transfer_params.lease_s must be a number")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

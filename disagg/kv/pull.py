@@ -33,6 +33,7 @@ class _Load:
     remote_request_id: str
     peer: Future[str]
     allocated_s: float
+    read_by_s: float | None  # after this P's lease may have freed the blocks: do not read
     handle: int | None = None
     posted_s: float | None = None
     num_descriptors: int = 0
@@ -79,6 +80,7 @@ class PullConnector(ConnectorBase):
                 remote_request_id=params.remote_request_id or request.request_id,
                 peer=peer,
                 allocated_s=time.monotonic(),
+                read_by_s=_read_deadline(request.arrival_s, params.lease_s),
             )
         )
 
@@ -101,6 +103,7 @@ class PullConnector(ConnectorBase):
             "remote_request_id": request.request_id,
             "num_prompt_tokens": request.num_prompt_tokens,
             "first_token_id": request.output_token_ids[0],
+            "lease_s": self.kv_config.lease_s,
             "connector": "pull",
         }
 
@@ -132,7 +135,9 @@ class PullConnector(ConnectorBase):
                 still_waiting.append(load)
                 continue
             if load.peer.exception() is not None:
-                self._fail(load, f"KV handshake failed: {load.peer.exception()}")
+                self._fail(
+                    load, f"KV handshake with the prefill instance failed: {load.peer.exception()}"
+                )
                 continue
             self._post(load)
         self._pending = still_waiting
@@ -141,6 +146,10 @@ class PullConnector(ConnectorBase):
         request_id = load.request.request_id
         notif = encode_message("read_done", request_id=load.remote_request_id)
         started = time.monotonic()
+        if load.read_by_s is not None and started > load.read_by_s:
+            # Reading now could copy blocks P already reused for another request.
+            self._fail(load, "prefill instance's lease on the KV expired before the read")
+            return
         try:
             if self.kv_config.fault == "fail_transfer":
                 raise TransportError("injected transfer failure (fault=fail_transfer)")
@@ -225,6 +234,13 @@ class PullConnector(ConnectorBase):
             known = self._leases.pop(request_id, None) is not None
         if known:
             self.report(sent=request_id)
+
+
+_LEASE_MARGIN_S = 1.0  # covers the router hop between P's answer and our arrival
+
+
+def _read_deadline(arrival_s: float, lease_s: float | None) -> float | None:
+    return None if lease_s is None else arrival_s + lease_s - _LEASE_MARGIN_S
 
 
 def _check_params(params: Any, num_remote: int, num_needed: int) -> str | None:

@@ -159,7 +159,14 @@ class PushConnector(ConnectorBase):
                 active = self._reservations.pop(reservation.transfer_id, None) is not None
                 self._transfer_of.pop(request_id, None)
             if active:  # nothing was registered, so nothing can land: fail cleanly
-                self.report(failed=(request_id, self.failure_reason(f"KV registration: {exc}")))
+                self.report(
+                    failed=(
+                        request_id,
+                        self.failure_reason(
+                            f"KV registration with the prefill instance failed: {exc}"
+                        ),
+                    )
+                )
 
     def _on_write_done(self, message: dict[str, Any]) -> None:
         tid = str(message.get("transfer_id"))

@@ -1,0 +1,86 @@
+"""Pull, decode side: a READ is never posted once P's lease on the blocks may have run out
+(regression: a late READ could copy blocks P had already reused for another request)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import numpy as np
+
+from disagg.config import CacheConfig, EngineConfig, KVTransferConfig
+from disagg.engine.request import Request
+from disagg.kv.pull import PullConnector
+from disagg.protocol import KVTransferParams, SamplingParams
+
+
+def _connector() -> tuple[PullConnector, np.ndarray]:
+    buffer = np.zeros(8 * 1024, np.uint8)
+    runner = SimpleNamespace(
+        kv_base_addr=buffer.ctypes.data,
+        num_blocks=8,
+        block_nbytes=1024,
+        spec=SimpleNamespace(
+            architecture="qwen3",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            vocab_size=64,
+            hidden_size=8,
+        ),
+    )
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_blocks=8),
+        kv_transfer=KVTransferConfig(role="decode", connector="pull", transport="local"),
+    )
+    return PullConnector(config, runner), buffer
+
+
+def _request(lease_s: float, age_s: float) -> Request:
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="p",
+        remote_host="127.0.0.1",
+        remote_port=1,
+        remote_block_ids=[0, 1],
+        remote_request_id="r",
+        first_token_id=3,
+        lease_s=lease_s,
+    )
+    return Request(
+        request_id="r",
+        prompt_token_ids=[1] * 6,
+        sampling=SamplingParams(),
+        arrival_s=time.monotonic() - age_s,
+        kv_transfer_params=params,
+    )
+
+
+def test_read_after_the_lease_fails_without_posting() -> None:
+    connector, _ = _connector()
+    try:
+        ready: Future[str] = Future()
+        ready.set_result("p")
+        connector._peers["p"] = ready  # the handshake happened long ago
+        request = _request(lease_s=2.0, age_s=5.0)  # arrived 5 s ago: the lease has run out
+        connector.on_blocks_allocated(request, [4, 5], 6)
+        connector.start_load(connector.build_meta())
+        out = connector.get_finished()
+        assert "lease" in out.failed["r"] and not connector._in_flight
+    finally:
+        connector.close()
+
+
+def test_read_within_the_lease_is_posted() -> None:
+    connector, _ = _connector()
+    try:
+        ready: Future[str] = Future()
+        ready.set_result("missing-peer")  # posting to an unknown peer fails in the transport
+        connector._peers["p"] = ready
+        connector.on_blocks_allocated(_request(lease_s=30.0, age_s=0.0), [4, 5], 6)
+        connector.start_load(connector.build_meta())
+        out = connector.get_finished()
+        assert "lease" not in out.failed["r"]  # it got as far as the transport
+    finally:
+        connector.close()
