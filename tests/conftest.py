@@ -35,41 +35,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random-weight Qwen3 checkpoint with a locally trained tokenizer."""
+def write_tiny(path: Path, **overrides: object) -> Path:
+    """A small random-weight checkpoint with a locally trained tokenizer (Qwen3 by default)."""
     from disagg.engine.make_model import write_checkpoint
 
-    return write_checkpoint(
-        tmp_path_factory.mktemp("qwen3"),
-        arch="qwen3",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=2048,
-        seed=1,
-    )
+    shape: dict[str, object] = {
+        "arch": "qwen3", "num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+        "intermediate_size": 128, "vocab_size": 2048, "seed": 1,
+    }  # fmt: skip
+    return write_checkpoint(path, **{**shape, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Qwen3 checkpoint."""
+    return write_tiny(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-layer random-weight Llama checkpoint with tied embeddings."""
-    from disagg.engine.make_model import write_checkpoint
-
-    return write_checkpoint(
-        tmp_path_factory.mktemp("llama"),
-        arch="llama",
-        num_layers=3,
-        hidden_size=96,
-        num_heads=6,
-        num_kv_heads=2,
-        intermediate_size=192,
-        vocab_size=2048,
-        seed=2,
-        tie_word_embeddings=True,
-    )
+    return write_tiny(
+        tmp_path_factory.mktemp("llama"), arch="llama", num_layers=3, hidden_size=96,
+        num_heads=6, intermediate_size=192, seed=2, tie_word_embeddings=True,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

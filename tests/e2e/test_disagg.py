@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import write_tiny
 from tests.e2e.cluster import (
     Cluster,
     OpenStream,
@@ -77,32 +78,9 @@ def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cl
 
 
 @pytest.fixture(scope="module")
-def aggregated(cluster: Cluster) -> Proc:
-    """The baseline (role both). Started, not awaited: it warms up with the first pair."""
-    return cluster.serve("aggregated")
-
-
-@pytest.fixture(scope="module")
-def reference(aggregated: Proc, cluster: Cluster) -> Reference:
-    return Reference(cluster, aggregated)
-
-
-@pytest.fixture(scope="module")
 def three_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3 with one more layer: same vocabulary, different KV shape."""
-    from disagg.engine.make_model import write_checkpoint  # torch: only when this test runs
-
-    return write_checkpoint(
-        tmp_path_factory.mktemp("qwen3-3l"),
-        arch="qwen3",
-        num_layers=3,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=2048,
-        seed=1,
-    )
+    return write_tiny(tmp_path_factory.mktemp("qwen3-3l"), num_layers=3)
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=_pair_id)

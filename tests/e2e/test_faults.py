@@ -57,16 +57,6 @@ def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cl
         yield started
 
 
-@pytest.fixture(scope="module")
-def aggregated(cluster: Cluster) -> Proc:
-    return cluster.serve("aggregated")
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: Cluster, aggregated: Proc) -> Reference:
-    return Reference(cluster, aggregated)
-
-
 @dataclass(frozen=True, slots=True)
 class Faulty:
     """A prefill instance and two decode instances of a mode (policy fail and recompute), each
