@@ -98,11 +98,6 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def reset_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data, just not their names)."""
-        self._hash_of.clear()
-        self._block_of.clear()
-
     def _uncache(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:

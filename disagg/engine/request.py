@@ -88,10 +88,6 @@ class Request:
         """Prefill side: keep the KV for a decode instance after the first token."""
         return bool(self.kv_transfer_params and self.kv_transfer_params.do_remote_decode)
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""
         n = len(self.prompt_token_ids)
