@@ -17,11 +17,17 @@ from dataclasses import dataclass
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 
-__all__ = ["LocalTransport", "buffer_view", "check_transfer_args"]
+__all__ = ["LocalTransport", "buffer_view", "check_region", "check_transfer_args"]
 
 _MAGIC = b"DKVL"
 _registry: dict[str, LocalTransport] = {}  # live transports of this process, by name
 _registry_lock = threading.Lock()
+
+
+def check_region(num_blocks: int, block_nbytes: int) -> None:
+    """Raise TransportError unless register() got a non-empty region."""
+    if num_blocks <= 0 or block_nbytes <= 0:
+        raise TransportError(f"bad region: {num_blocks} blocks x {block_nbytes} bytes")
 
 
 def check_transfer_args(
@@ -90,8 +96,7 @@ class LocalTransport(Transport):
             self._check_open()
             if self._region is not None:
                 raise TransportError(f"{self.name}: register() called twice")
-            if num_blocks <= 0 or block_nbytes <= 0:
-                raise TransportError(f"bad region: {num_blocks} blocks x {block_nbytes} bytes")
+            check_region(num_blocks, block_nbytes)
             self._region = _Region(base_addr, num_blocks, block_nbytes)
 
     def metadata(self) -> bytes:

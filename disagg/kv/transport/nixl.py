@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
-from disagg.kv.transport.local import check_transfer_args
+from disagg.kv.transport.local import check_region, check_transfer_args
 
 __all__ = ["NixlTransport", "create_nixl_agent", "nixl_api"]
 
@@ -178,8 +178,7 @@ class NixlTransport(Transport):
     # ---- setup ----------------------------------------------------------------------------
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
-        if num_blocks <= 0 or block_nbytes <= 0:
-            raise TransportError(f"bad region: {num_blocks} blocks x {block_nbytes} bytes")
+        check_region(num_blocks, block_nbytes)
         with self._lock:
             self._check_open()
             if self._region is not None:

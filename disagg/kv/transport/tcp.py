@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
-from disagg.kv.transport.local import buffer_view, check_transfer_args
+from disagg.kv.transport.local import buffer_view, check_region, check_transfer_args
 
 __all__ = ["TcpTransport"]
 
@@ -231,8 +231,7 @@ class TcpTransport(Transport):
     # ---- setup ----------------------------------------------------------------------------
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
-        if num_blocks <= 0 or block_nbytes <= 0:
-            raise TransportError(f"bad region: {num_blocks} blocks x {block_nbytes} bytes")
+        check_region(num_blocks, block_nbytes)
         with self._lock:
             self._check_open()
             if self._region is not None:
