@@ -1,8 +1,12 @@
 """Engine throughput vs `transformers` on the same checkpoint and thread count, in one run.
 
 Measures decode tokens/s at batch 1 and 16 and prefill tokens/s at 512 and 2048 tokens, for our
-engine (paged KV, continuous batching) and for transformers' `generate` / forward. Prints a
-table; the last stdout line is the JSON document (also written with --out).
+engine (paged KV, continuous batching) and for transformers' `generate` / forward, plus one
+serving row: 64 requests of mixed prompt and output lengths at batch 16. transformers runs those
+the way a `generate` user must (and as vLLM's throughput benchmark runs its HF backend): batches
+of 16 in arrival order, left-padded, each batch decoding until its longest output is done; our
+engine admits a waiting request whenever one finishes. Prints a table; the last stdout line is
+the JSON document (also written with --out).
 
     python benchmarks/engine_bench.py [--model smollm2-135m] [--threads 2] [--out FILE]
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -60,6 +65,55 @@ def engine_prefill(engine: Engine, length: int, repeats: int) -> float:
     return length / statistics.median(times)
 
 
+def _mixed(count: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: prompts 16-128 tokens, outputs 8-128 tokens."""
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randint(16, 128))],
+            rng.randint(8, 128),
+        )
+        for _ in range(count)
+    ]
+
+
+def engine_serving(engine: Engine, requests: list[tuple[list[int], int]]) -> float:
+    """Output tokens/s from submitting every request at once until the last one finishes."""
+    t0 = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(requests):
+        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"s{time.monotonic_ns()}-{i}", prompt, params)
+    produced = 0
+    while engine.has_work:
+        produced += sum(len(out.new_token_ids) for out in engine.step())
+    assert produced == sum(out_len for _, out_len in requests)
+    return produced / (time.perf_counter() - t0)
+
+
+def hf_serving(
+    model: torch.nn.Module, requests: list[tuple[list[int], int]], batch: int, pad_id: int
+) -> float:
+    """Requested output tokens/s: static batches, so a batch runs as long as its longest
+    request and the tokens generated past a shorter request's length are wasted."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(requests), batch):
+            group = requests[first : first + batch]
+            width = max(len(prompt) for prompt, _ in group)
+            ids = [[pad_id] * (width - len(p)) + p for p, _ in group]
+            mask = [[0] * (width - len(p)) + [1] * len(p) for p, _ in group]
+            new = max(out_len for _, out_len in group)
+            model.generate(
+                torch.tensor(ids),
+                attention_mask=torch.tensor(mask),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=pad_id,
+            )
+    return sum(out_len for _, out_len in requests) / (time.perf_counter() - t0)
+
+
 def hf_decode(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
@@ -85,6 +139,54 @@ def hf_prefill(model: torch.nn.Module, length: int, vocab: int, repeats: int) ->
     return length / statistics.median(times)
 
 
+def gemm_ceiling(model: torch.nn.Module, batch: int, repeats: int) -> float:
+    """Decode tokens/s of a step that did nothing but its matmuls (every Linear once, M=batch):
+    the ceiling for any engine, ours or transformers, that uses torch's GEMMs on this machine."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features) for m in linears]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for m, x in zip(linears, inputs, strict=True):
+                torch.nn.functional.linear(x, m.weight, m.bias)
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
+
+
+def decode_row(engine: Engine, hf: torch.nn.Module, batch: int, args: argparse.Namespace) -> dict:
+    """Ours and theirs alternate, `repeats` times each, so a slow spell of the shared machine
+    hits both columns; medians are reported."""
+    prompts = _prompts(batch, args.prompt_len, engine.spec.vocab_size, seed=batch)
+    engine_decode(engine, prompts[:1], 4)  # warm-up
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        ours.append(engine_decode(engine, prompts, args.new_tokens))
+        theirs.append(hf_decode(hf, prompts, args.new_tokens))
+    return {
+        "phase": "decode",
+        "size": batch,
+        "disagg_tok_s": statistics.median(ours),
+        "hf_tok_s": statistics.median(theirs),
+        "gemm_ceiling_tok_s": gemm_ceiling(engine.runner.model, batch, args.repeats),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'phase':8} {'size':>6} {'disagg tok/s':>13} {'transformers tok/s':>19} {'ratio':>6}"
+    print(head + f" {'GEMM-only ceiling':>18} {'ceiling/transformers':>21}")
+    for row in rows:
+        row["ratio"] = row["disagg_tok_s"] / row["hf_tok_s"]
+        line = (
+            f"{row['phase']:8} {row['size']:>6} {row['disagg_tok_s']:>13.1f} "
+            f"{row['hf_tok_s']:>19.1f} {row['ratio']:>6.2f}"
+        )
+        if "gemm_ceiling_tok_s" in row:
+            row["ceiling_ratio"] = row["gemm_ceiling_tok_s"] / row["hf_tok_s"]
+            line += f" {row['gemm_ceiling_tok_s']:>18.1f} {row['ceiling_ratio']:>21.2f}"
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -92,6 +194,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-lens", default="512,2048", help="comma-separated")
+    parser.add_argument("--serving-requests", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,31 +203,23 @@ def main() -> None:
     config = EngineConfig(
         model=model_dir,
         cache=CacheConfig(block_size=16, num_blocks=1024),
-        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=32, max_model_len=4096),
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=4096),
     )
     engine = Engine(config, model_dir)
     vocab = engine.spec.vocab_size
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = []
-    for batch in (1, 16):
-        prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
-        engine_decode(engine, prompts[:1], 4)  # warm-up
-        ours = engine_decode(engine, prompts, args.new_tokens)
-        theirs = hf_decode(hf, prompts, args.new_tokens)
-        rows.append({"phase": "decode", "size": batch, "disagg_tok_s": ours, "hf_tok_s": theirs})
-    for length in (512, 2048):
+    rows = [decode_row(engine, hf, batch, args) for batch in (1, 16)]
+    for length in (int(n) for n in args.prefill_lens.split(",")):
         ours = engine_prefill(engine, length, args.repeats)
         theirs = hf_prefill(hf, length, vocab, args.repeats)
         rows.append({"phase": "prefill", "size": length, "disagg_tok_s": ours, "hf_tok_s": theirs})
-    print(f"{'phase':8} {'size':>6} {'disagg tok/s':>13} {'transformers tok/s':>19} {'ratio':>6}")
-    for row in rows:
-        row["ratio"] = row["disagg_tok_s"] / row["hf_tok_s"]
-        print(
-            f"{row['phase']:8} {row['size']:>6} {row['disagg_tok_s']:>13.1f} "
-            f"{row['hf_tok_s']:>19.1f} {row['ratio']:>6.2f}"
-        )
+    mixed = _mixed(args.serving_requests, vocab, seed=7)
+    ours = engine_serving(engine, mixed)
+    theirs = hf_serving(hf, mixed, batch=16, pad_id=0)
+    rows.append({"phase": "serving", "size": 16, "disagg_tok_s": ours, "hf_tok_s": theirs})
+    print_table(rows)
     result = {"model": args.model, "threads": args.threads, "dtype": "float32", "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -17,6 +17,8 @@ from disagg.engine.rope import apply_rope
 
 __all__ = ["AttentionFn", "CausalLM"]
 
+_VOCAB_SLICE_ROWS = 2048  # see CausalLM.compute_logits
+
 # (layer index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> attention output [N, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -121,8 +123,15 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that sample go through the vocabulary projection (the largest matmul
-        of a small model), in fp32 so sampling sees the same numbers in every dtype."""
-        return self.lm_head(hidden).float()  # [num_sampled, vocab]
+        of a small model), in fp32 so sampling sees the same numbers in every dtype.
+
+        On CPU a batch of rows runs against the weight in slices: for a few rows against a 49k
+        x 576 weight, one MKL GEMM takes ~1.5x as long as the same work in 2048-row slices
+        (measured at batch 4-32; no gain at batch 1, and GPUs want the single GEMM)."""
+        if hidden.device.type != "cpu" or hidden.shape[0] < 2:
+            return self.lm_head(hidden).float()  # [num_sampled, vocab]
+        slices = self.lm_head.weight.split(_VOCAB_SLICE_ROWS)
+        return torch.cat([F.linear(hidden, w) for w in slices], dim=-1).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         if self.spec.tie_word_embeddings:
