@@ -46,7 +46,8 @@ class _StepInputs:
     prefills: list[_Prefill]
     decode_start: int  # rows >= decode_start are single-token decodes
     decode_tables: torch.Tensor | None  # [B, max_blocks] long, padded with block 0
-    decode_lens: torch.Tensor | None  # [B] context length including the new token
+    decode_len: int  # longest decode context, including the new token
+    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] keys each decode sees; None: all
     sample_rows: torch.Tensor  # [S] rows whose hidden state is sampled
     sampled: list[ScheduledRequest]
 
@@ -148,7 +149,7 @@ class ModelRunner:
             if req.do_sample:
                 sample_rows.append(row + n - 1)
                 sampled.append(req)
-        tables, lens = self._decode_tables(decodes)
+        tables, longest, mask = self._decode_tables(decodes)
         return _StepInputs(
             input_ids=self._long(ids),
             positions=self._long(positions),
@@ -157,20 +158,28 @@ class ModelRunner:
             prefills=prefills,
             decode_start=len(ids) - len(decodes),
             decode_tables=tables,
-            decode_lens=lens,
+            decode_len=longest,
+            decode_mask=mask,
             sample_rows=self._long(sample_rows),
             sampled=sampled,
         )
 
     def _decode_tables(
         self, decodes: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """Block tables padded to the longest decode, and the key mask every layer shares (built
+        once per step; None when all contexts are equally long, so SDPA runs unmasked)."""
         if not decodes:
-            return None, None
+            return None, 0, None
         lens = [d.start_pos + 1 for d in decodes]
-        width = -(-max(lens) // self.block_size)
+        longest = max(lens)
+        width = -(-longest // self.block_size)
         rows = [d.block_ids[:width] + [0] * (width - min(width, len(d.block_ids))) for d in decodes]
-        return self._long(rows), self._long(lens)
+        if min(lens) == longest:
+            return self._long(rows), longest, None
+        key_pos = torch.arange(longest, device=self.device)
+        mask = key_pos[None, :] < self._long(lens)[:, None]  # [B, T]
+        return self._long(rows), longest, mask[:, None, None, :]
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -182,6 +191,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         # One scatter writes K and V together: kv[b, layer, :, off] is [2, Hkv, D].
         self.kv_cache[inputs.slot_blocks, layer, :, inputs.slot_offsets] = torch.stack((k, v), 1)
+        if not inputs.prefills:  # the common decode-only step: no output buffer to fill
+            return self._decode_attention(layer, q, inputs)
         out = torch.empty_like(q)  # [N, Hq, D]
         for chunk in inputs.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -228,14 +239,13 @@ class ModelRunner:
         return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
-        assert inputs.decode_tables is not None and inputs.decode_lens is not None
+        assert inputs.decode_tables is not None
         k, v = self._gather(layer, inputs.decode_tables)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
-        b, num_heads, d = q.shape
+        # Keys past the longest context are block padding: drop them rather than mask them.
+        k, v = k[:, : inputs.decode_len].transpose(1, 2), v[:, : inputs.decode_len].transpose(1, 2)
+        b, num_heads, d = q.shape  # k, v: [B, Hkv, T, D]
         # GQA without copying K/V: the query heads of one KV head become its "query rows"
         # (head h reads KV head h // groups, as the reference's repeat_kv lays them out).
         qg = q.view(b, k.shape[1], num_heads // k.shape[1], d)  # [B, Hkv, groups, D]
-        key_pos = torch.arange(k.shape[2], device=q.device)
-        mask = (key_pos[None, :] < inputs.decode_lens[:, None])[:, None, None, :]  # [B,1,1,T]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=inputs.decode_mask)
         return out.reshape(b, num_heads, d)  # [B, Hq, D]

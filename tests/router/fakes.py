@@ -191,3 +191,11 @@ async def running(*fakes: FakeInstance) -> AsyncIterator[list[str]]:
     finally:
         for fake in fakes:
             await fake.stop()
+
+
+@asynccontextmanager
+async def routed(prefill: FakeInstance, decode: FakeInstance, mode: str) -> AsyncIterator[str]:
+    """One prefill and one decode fake behind a router in `mode`; yields the router's URL."""
+    async with running(prefill, decode) as (p_url, d_url):
+        async with running_router(prefill_urls=(p_url,), decode_urls=(d_url,), mode=mode) as url:
+            yield url

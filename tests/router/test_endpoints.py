@@ -6,7 +6,14 @@ from typing import Any
 
 import aiohttp
 
-from tests.router.fakes import FakeInstance, free_port, run_async, running, running_router
+from tests.router.fakes import (
+    FakeInstance,
+    free_port,
+    routed,
+    run_async,
+    running,
+    running_router,
+)
 
 
 async def get(url: str) -> tuple[int, str]:
@@ -42,11 +49,8 @@ def test_health_and_instances_reflect_each_role() -> None:
 def test_health_ok_when_every_needed_role_is_healthy() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                assert (await get(url + "/health"))[0] == 200
+        async with routed(p, d, mode="push") as url:
+            assert (await get(url + "/health"))[0] == 200
 
     run_async(main())
 
@@ -96,16 +100,13 @@ def test_round_robin_spreads_requests_and_skips_unhealthy() -> None:
 def test_metrics_count_requests_by_mode_and_status_and_time_legs() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="pull"
-            ) as url:
-                async with aiohttp.ClientSession() as session:
-                    async with session.post(url + "/v1/completions", json={"prompt": "x"}):
-                        pass
-                    async with session.post(url + "/v1/completions", data=b"{"):
-                        pass
-                _, text = await get(url + "/metrics")
+        async with routed(p, d, mode="pull") as url:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/v1/completions", json={"prompt": "x"}):
+                    pass
+                async with session.post(url + "/v1/completions", data=b"{"):
+                    pass
+            _, text = await get(url + "/metrics")
         assert 'disagg_router_requests_total{mode="pull",status="200"} 1.0' in text
         assert 'disagg_router_requests_total{mode="pull",status="400"} 1.0' in text
         assert 'disagg_router_leg_seconds_count{leg="prefill"} 1.0' in text

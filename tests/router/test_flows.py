@@ -17,6 +17,7 @@ from tests.router.fakes import (
     completion,
     default_handler,
     read_events,
+    routed,
     run_async,
     running,
     running_router,
@@ -74,12 +75,9 @@ def test_aggregated_stream_is_relayed_chunk_by_chunk() -> None:
 def test_pull_is_prefill_then_decode_with_prefill_params() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="pull"
-            ) as url:
-                body = {**PROMPT, "stream_options": {"include_usage": True}, "min_tokens": 2}
-                status, answer = await post(url, body)
+        async with routed(p, d, mode="pull") as url:
+            body = {**PROMPT, "stream_options": {"include_usage": True}, "min_tokens": 2}
+            status, answer = await post(url, body)
         assert status == 200, answer
         (p_leg,), (d_leg,) = p.received, d.received
         assert p_leg.body["max_tokens"] == 1 and p_leg.body["stream"] is False
@@ -106,15 +104,12 @@ def test_pull_is_prefill_then_decode_with_prefill_params() -> None:
 def test_pull_chat_stream_limits_prefill_and_merges_breakdown_into_final_chunk() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="pull"
-            ) as url:
-                body = {"model": "m", "messages": [], "max_completion_tokens": 5, "stream": True}
-                async with aiohttp.ClientSession() as session:
-                    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                        assert resp.headers["X-Request-Id"].startswith("chatcmpl-")
-                        events = await asyncio.wait_for(read_events(resp), WAIT_S)
+        async with routed(p, d, mode="pull") as url:
+            body = {"model": "m", "messages": [], "max_completion_tokens": 5, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.headers["X-Request-Id"].startswith("chatcmpl-")
+                    events = await asyncio.wait_for(read_events(resp), WAIT_S)
         p_body = p.received[0].body
         assert p_body["max_tokens"] == 1 and "max_completion_tokens" not in p_body
         assert d.received[0].body["max_completion_tokens"] == 5
@@ -134,11 +129,8 @@ def test_pull_prefill_error_is_returned_and_decode_never_called() -> None:
             return web.json_response(error, status=400)
 
         p, d = FakeInstance("prefill", handler=reject), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="pull"
-            ) as url:
-                status, answer = await post(url, PROMPT)
+        async with routed(p, d, mode="pull") as url:
+            status, answer = await post(url, PROMPT)
         assert (status, answer) == (400, error)
         assert d.received == []
 
@@ -153,11 +145,8 @@ def test_pull_prefill_connection_dropped_is_502() -> None:
 
     async def main() -> None:
         p, d = FakeInstance("prefill", handler=hang_up), FakeInstance("decode")
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="pull"
-            ) as url:
-                status, answer = await post(url, PROMPT)
+        async with routed(p, d, mode="pull") as url:
+            status, answer = await post(url, PROMPT)
         assert status == 502
         assert set(answer["error"]) == {"message", "type", "code"}
         assert d.received == []
@@ -210,14 +199,11 @@ def test_push_sends_both_legs_concurrently_with_one_transfer_id() -> None:
             return web.json_response(completion("p", "A", disagg={"breakdown": breakdown}))
 
         p, d = _push_cluster(p_handler=wait_for_decode)
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                async with aiohttp.ClientSession() as session:
-                    body = {**PROMPT, "stream": True}
-                    async with session.post(url + "/v1/completions", json=body) as resp:
-                        events = await asyncio.wait_for(read_events(resp), WAIT_S)
+        async with routed(p, d, mode="push") as url:
+            async with aiohttp.ClientSession() as session:
+                body = {**PROMPT, "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    events = await asyncio.wait_for(read_events(resp), WAIT_S)
         assert saw_decode == [True]
         p_kv, d_kv = p.received[0].kv, d.received[0].kv
         assert p_kv["do_remote_decode"] is True and p_kv["connector"] == "push"
@@ -252,14 +238,11 @@ def test_push_prefill_failure_mid_stream_ends_stream_with_error_and_aborts_decod
             return web.json_response(error, status=500)
 
         p, d = _push_cluster(fail_after_decode_started, stream_until_aborted)
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                async with aiohttp.ClientSession() as session:
-                    body = {**PROMPT, "stream": True}
-                    async with session.post(url + "/v1/completions", json=body) as resp:
-                        events = await asyncio.wait_for(read_events(resp), WAIT_S)
+        async with routed(p, d, mode="push") as url:
+            async with aiohttp.ClientSession() as session:
+                body = {**PROMPT, "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    events = await asyncio.wait_for(read_events(resp), WAIT_S)
             await wait_until(lambda: d.aborts)
         assert json.loads(events[0])["choices"][0]["text"] == "first"
         assert json.loads(events[1])["error"]["message"] == "KV write failed"
@@ -280,12 +263,9 @@ def test_push_prefill_failure_before_decode_answers_returns_error_and_aborts_dec
             return web.Response(status=503, text="overloaded")
 
         p, d = _push_cluster(unavailable, wait_for_abort)
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                status, answer = await post(url, PROMPT)
-                await wait_until(lambda: d.aborts)
+        async with routed(p, d, mode="push") as url:
+            status, answer = await post(url, PROMPT)
+            await wait_until(lambda: d.aborts)
         assert status == 503
         assert answer["error"]["message"] == "overloaded" and answer["error"]["code"] == 503
         assert d.aborts == [p.received[0].request_id]
@@ -303,12 +283,9 @@ def test_push_decode_failure_aborts_prefill() -> None:
             return web.json_response({"error": {"message": "no blocks", "code": 429}}, status=429)
 
         p, d = _push_cluster(slow_prefill, refuse)
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                status, answer = await post(url, PROMPT)
-                await wait_until(lambda: p.aborts)
+        async with routed(p, d, mode="push") as url:
+            status, answer = await post(url, PROMPT)
+            await wait_until(lambda: p.aborts)
         assert (status, answer["error"]["message"]) == (429, "no blocks")
         assert p.aborts == [d.received[0].request_id]
 
@@ -336,17 +313,14 @@ def test_push_client_disconnect_closes_decode_and_aborts_prefill() -> None:
             return web.json_response(completion("p", "A"))
 
         p, d = _push_cluster(slow_prefill, endless)
-        async with running(p, d) as (p_url, d_url):
-            async with running_router(
-                prefill_urls=(p_url,), decode_urls=(d_url,), mode="push"
-            ) as url:
-                async with aiohttp.ClientSession() as session:
-                    body = {**PROMPT, "stream": True}
-                    resp = await session.post(url + "/v1/completions", json=body)
-                    await asyncio.wait_for(read_events(resp, 2), WAIT_S)
-                    resp.close()  # the client goes away mid-stream
-                await asyncio.wait_for(decode_gone.wait(), WAIT_S)
-                await wait_until(lambda: p.aborts)
+        async with routed(p, d, mode="push") as url:
+            async with aiohttp.ClientSession() as session:
+                body = {**PROMPT, "stream": True}
+                resp = await session.post(url + "/v1/completions", json=body)
+                await asyncio.wait_for(read_events(resp, 2), WAIT_S)
+                resp.close()  # the client goes away mid-stream
+            await asyncio.wait_for(decode_gone.wait(), WAIT_S)
+            await wait_until(lambda: p.aborts)
         assert p.aborts == [d.received[0].request_id]
 
     run_async(main())
