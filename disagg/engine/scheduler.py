@@ -10,17 +10,14 @@ from __future__ import annotations
 from collections import deque
 
 from disagg.config import SchedulerConfig
-from disagg.engine.block_pool import BlockPool, hash_block_tokens
+from disagg.engine.block_pool import BlockPool
+from disagg.engine.kv_cache_manager import KVCacheManager
 from disagg.engine.outputs import KVConnectorOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from disagg.engine.request import Request, RequestStatus
 from disagg.kv.connector import KVConnector
 from disagg.protocol import RequestOutput
 
 __all__ = ["Scheduler"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:
@@ -36,6 +33,7 @@ class Scheduler:
         self.config = config
         self.block_pool = block_pool
         self.block_size = block_size
+        self.kv = KVCacheManager(block_pool, block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
         self.requests: dict[str, Request] = {}  # every request not yet released
@@ -94,7 +92,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._can_grow(request, num_new):
+            while not self.kv.can_grow(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -102,7 +100,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            self._grow(request, num_new)
+            self.kv.grow(request, num_new)
             out.requests.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
@@ -116,13 +114,13 @@ class Scheduler:
                     return
                 continue
             if not request.block_ids:
-                self._match_prefix(request)
+                self.kv.match_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._can_grow(request, num_new):
-                self._release_prefix(request)
+            if not self.kv.can_grow(request, num_new):
+                self.kv.reset(request)
                 return
             self.waiting.popleft()
-            self._grow(request, num_new)
+            self.kv.grow(request, num_new)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = now
@@ -136,11 +134,9 @@ class Scheduler:
         the connector. Returns False when the pool cannot hold them yet."""
         assert self.connector is not None, "remote prefill requested without a KV connector"
         num_external = self.connector.get_num_new_matched_tokens(request)
-        num_blocks = _cdiv(request.num_prompt_tokens + 1, self.block_size)
-        if not self.block_pool.can_allocate(num_blocks):
+        if not self.kv.allocate_for_prompt(request):
             return False
         self.waiting.popleft()
-        request.block_ids = self.block_pool.allocate(num_blocks)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.first_scheduled_s = now
         request.breakdown.decode_wait_s = now - request.arrival_s  # D's own queue
@@ -160,59 +156,11 @@ class Scheduler:
             output_index=request.num_output_tokens,
         )
 
-    # ------------------------------------------------------------------ blocks
-
-    def _num_blocks_to_grow(self, request: Request, num_new: int) -> int:
-        needed = _cdiv(request.num_computed_tokens + num_new, self.block_size)
-        return max(0, needed - len(request.block_ids))
-
-    def _can_grow(self, request: Request, num_new: int) -> bool:
-        return self.block_pool.can_allocate(self._num_blocks_to_grow(request, num_new))
-
-    def _grow(self, request: Request, num_new: int) -> None:
-        request.block_ids.extend(
-            self.block_pool.allocate(self._num_blocks_to_grow(request, num_new))
-        )
-
-    def _match_prefix(self, request: Request) -> None:
-        """Reuse cached blocks of the prompt's prefix; at least one token is left to compute
-        so the step that reaches the end can sample."""
-        bs = self.block_size
-        num_full = (request.num_tokens - 1) // bs
-        hashes = _chain_hashes(request, num_full, bs)
-        hits = self.block_pool.lookup(hashes)
-        self.block_pool.touch(hits)
-        request.block_ids = list(hits)
-        request.block_hashes = hashes[: len(hits)]
-        request.num_computed_tokens = len(hits) * bs
-        request.num_cached_tokens = max(request.num_cached_tokens, len(hits) * bs)
-
-    def _release_prefix(self, request: Request) -> None:
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
-        request.block_hashes = []
-        request.num_computed_tokens = 0
-
-    def _cache_full_blocks(self, request: Request) -> None:
-        bs = self.block_size
-        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
-        for index in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = hash_block_tokens(
-                parent, request.token_slice(index * bs, (index + 1) * bs)
-            )
-            request.block_hashes.append(block_hash)
-            self.block_pool.cache(request.block_ids[index], block_hash)
-
     def _preempt(self, request: Request) -> None:
-        self._release_prefix(request)
+        self.kv.reset(request)
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
-
-    def _free_blocks(self, request: Request) -> None:
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
 
     # ------------------------------------------------------------------ update
 
@@ -226,7 +174,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
             request.num_computed_tokens += len(scheduled.token_ids)
-            self._cache_full_blocks(request)
+            self.kv.cache_full_blocks(request)
             token = runner.sampled_token_ids.get(scheduled.request_id)
             if token is None:
                 continue
@@ -278,7 +226,7 @@ class Scheduler:
         request.needs_remote_kv = False
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = request.num_prompt_tokens
-        self._cache_full_blocks(request)
+        self.kv.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if first_token is None and params is not None:
@@ -299,7 +247,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.WAITING_FOR_KV_SEND:
             del self.sending[request_id]
-            self._free_blocks(request)  # the caller already has its answer
+            self.kv.free(request)  # the caller already has its answer
             self._release(request)
             return
         if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -318,7 +266,7 @@ class Scheduler:
     def _on_kv_sent(self, request_id: str) -> None:
         request = self.sending.pop(request_id, None)
         if request is not None:
-            self._free_blocks(request)
+            self.kv.free(request)
             self._release(request)
 
     def _settle_draining(self, request_id: str) -> None:
@@ -364,7 +312,7 @@ class Scheduler:
             self.sending[request.request_id] = request
             request.status = RequestStatus.WAITING_FOR_KV_SEND
         else:
-            self._free_blocks(request)
+            self.kv.free(request)
             self._release(request)
 
     def _unlink(self, request: Request, previous: RequestStatus) -> None:
@@ -411,14 +359,3 @@ class Scheduler:
             "num_total_blocks": self.block_pool.num_blocks,
             "num_queued_prefill_tokens": queued,
         }
-
-
-def _chain_hashes(request: Request, num_blocks: int, block_size: int) -> list[int]:
-    hashes: list[int] = []
-    parent = None
-    for index in range(num_blocks):
-        parent = hash_block_tokens(
-            parent, request.token_slice(index * block_size, (index + 1) * block_size)
-        )
-        hashes.append(parent)
-    return hashes

@@ -1,0 +1,86 @@
+"""Which KV blocks a request holds: grow it for new tokens, reuse cached blocks of its prefix,
+cache its full blocks by their hash chain, give them back.
+
+Pure Python, between the scheduler (which decides *when*) and the block pool (which owns ref
+counts and the hash -> block map): block ids and token counts only.
+"""
+
+from __future__ import annotations
+
+from disagg.engine.block_pool import BlockPool, hash_block_tokens
+from disagg.engine.request import Request
+
+__all__ = ["KVCacheManager"]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+
+    def can_grow(self, request: Request, num_new: int) -> bool:
+        return self.block_pool.can_allocate(self._blocks_to_grow(request, num_new))
+
+    def grow(self, request: Request, num_new: int) -> None:
+        """Give the request blocks for `num_new` more tokens (the caller checked can_grow)."""
+        request.block_ids.extend(self.block_pool.allocate(self._blocks_to_grow(request, num_new)))
+
+    def allocate_for_prompt(self, request: Request) -> bool:
+        """Decode side of a disaggregated request: blocks for the whole prompt plus the first
+        token, all at once (the KV arrives from elsewhere). False when the pool is short."""
+        num_blocks = cdiv(request.num_prompt_tokens + 1, self.block_size)
+        if not self.block_pool.can_allocate(num_blocks):
+            return False
+        request.block_ids = self.block_pool.allocate(num_blocks)
+        return True
+
+    def match_prefix(self, request: Request) -> None:
+        """Reuse cached blocks of the prompt's prefix; at least one token is left to compute
+        so the step that reaches the end can sample."""
+        bs = self.block_size
+        hashes = self._chain_hashes(request, (request.num_tokens - 1) // bs)
+        hits = self.block_pool.lookup(hashes)
+        self.block_pool.touch(hits)
+        request.block_ids = list(hits)
+        request.block_hashes = hashes[: len(hits)]
+        request.num_computed_tokens = len(hits) * bs
+        request.num_cached_tokens = max(request.num_cached_tokens, len(hits) * bs)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish every newly completed block under its hash, for later prefix matches."""
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        for index in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block_tokens(
+                parent, request.token_slice(index * bs, (index + 1) * bs)
+            )
+            request.block_hashes.append(block_hash)
+            self.block_pool.cache(request.block_ids[index], block_hash)
+
+    def free(self, request: Request) -> None:
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+
+    def reset(self, request: Request) -> None:
+        """Free the blocks and forget the computed tokens (preemption, or no room to start)."""
+        self.free(request)
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+
+    def _blocks_to_grow(self, request: Request, num_new: int) -> int:
+        needed = cdiv(request.num_computed_tokens + num_new, self.block_size)
+        return max(0, needed - len(request.block_ids))
+
+    def _chain_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        bs = self.block_size
+        hashes: list[int] = []
+        parent = None
+        for index in range(num_blocks):
+            parent = hash_block_tokens(parent, request.token_slice(index * bs, (index + 1) * bs))
+            hashes.append(parent)
+        return hashes
