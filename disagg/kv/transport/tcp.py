@@ -1,207 +1,41 @@
 """TCP transport: the pure-Python fallback for hosts without NIXL, same semantics.
 
 Owns a listener thread (one server thread per accepted connection) that serves READ/WRITE/NOTIF
-requests against the registered buffer, and one worker thread per peer that does the initiator's
-socket I/O, so post() never blocks. Frames are length-prefixed; block bytes go straight between
-the socket and the buffer (sendmsg / recvmsg_into over memoryviews). A failure turns the transfer
-into ERR; every socket wait is bounded by io_timeout_s, so nothing hangs on a dead peer.
+requests against the registered buffer; tcp_link.py does the initiator's socket I/O on one
+worker per peer, so post() never blocks; tcp_wire.py is the frame format. A failure turns the
+transfer into ERR; every socket wait is bounded by io_timeout_s, so nothing hangs on a dead peer.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import logging
-import os
-import queue
 import socket
-import struct
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 from disagg.kv.transport.local import buffer_view, check_region, check_transfer_args
+from disagg.kv.transport.tcp_link import Job, PeerLink, Region
+from disagg.kv.transport.tcp_wire import (
+    OP_NOTIF,
+    OP_READ,
+    OP_WRITE,
+    REPLY,
+    REQUEST,
+    recv_exact,
+    recv_into_all,
+    send_all,
+    send_reply,
+)
 
 __all__ = ["TcpTransport"]
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"DKVT"
-_REQUEST = struct.Struct("!BHII")  # op, len(sender name), num block ids, len(notif)
-_REPLY = struct.Struct("!BI")  # status (0 = ok), len(error text); READ's block bytes follow
-_OP_READ, _OP_WRITE, _OP_NOTIF = 1, 2, 3
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-
-
-class _RemoteError(TransportError):
-    """The peer answered a request with an error."""
-
-
-# ---- framing ---------------------------------------------------------------------------------
-
-
-def _encode_request(op: int, sender: str, block_ids: Sequence[int], notif: bytes) -> bytes:
-    name = sender.encode()
-    ids = np.asarray(block_ids, dtype=">u4").tobytes()
-    return _REQUEST.pack(op, len(name), len(block_ids), len(notif)) + name + ids + notif
-
-
-def _advance(pending: collections.deque[memoryview], nbytes: int) -> None:
-    """Drop `nbytes` from the front of a queue of buffers (after a partial send/receive)."""
-    while nbytes:
-        head = pending[0]
-        if nbytes >= len(head):
-            nbytes -= len(head)
-            pending.popleft()
-        else:
-            pending[0] = head[nbytes:]
-            nbytes = 0
-
-
-def _send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Send every buffer, gathering up to IOV_MAX of them per syscall."""
-    pending = collections.deque(memoryview(b).cast("B") for b in buffers)
-    while pending:
-        _advance(pending, sock.sendmsg(list(itertools.islice(pending, _IOV_MAX))))
-
-
-def _recv_into_all(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """Fill every view from the socket, scattering up to IOV_MAX of them per syscall."""
-    pending = collections.deque(views)
-    while pending:
-        nbytes = sock.recvmsg_into(list(itertools.islice(pending, _IOV_MAX)))[0]
-        if nbytes == 0:
-            raise ConnectionError("connection closed mid-frame")
-        _advance(pending, nbytes)
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray(nbytes)
-    if nbytes:
-        _recv_into_all(sock, [memoryview(data)])
-    return bytes(data)
-
-
-def _send_reply(sock: socket.socket, error: str = "") -> None:
-    text = error.encode()
-    sock.sendall(_REPLY.pack(1 if error else 0, len(text)) + text)
-
-
-def _read_reply(sock: socket.socket) -> None:
-    status, text_len = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-    if status:
-        raise _RemoteError(_recv_exact(sock, text_len).decode(errors="replace"))
-
-
-# ---- state records ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Region:
-    view: memoryview  # the whole registered buffer, writable
-    num_blocks: int
-    block_nbytes: int
-
-    def blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
-        n = self.block_nbytes
-        return [self.view[i * n : (i + 1) * n] for i in block_ids]
-
-
-@dataclass(slots=True)
-class _Job:
-    op: int  # _OP_READ | _OP_WRITE | _OP_NOTIF
-    local_ids: list[int]
-    remote_ids: list[int]
-    notif: bytes
-    handle: int | None = None  # transfer handle; None for send_notif
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str = ""  # why it failed ("" = ok)
-
-
-class _PeerLink:
-    """The initiator side of one peer: a job queue, its worker thread and a cached socket."""
-
-    def __init__(self, owner: TcpTransport, info: PeerInfo, addr: tuple[str, int]) -> None:
-        self.owner, self.info, self.addr = owner, info, addr
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()  # None = stop; always the last item
-        self.sock: socket.socket | None = None
-        self.is_stopped = False
-        self._lock = threading.Lock()  # orders submit() against stop()
-        self.thread = threading.Thread(
-            target=self._work, name=f"kv-tcp-{owner.name}->{info.name}", daemon=True
-        )
-        self.thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._lock:
-            if not self.is_stopped:
-                self.jobs.put(job)
-                return
-        job.error = f"peer {self.info.name!r} was removed"
-        self.owner._finish(job)
-
-    def stop(self) -> None:
-        """Fail queued jobs and interrupt the one in progress; the thread then exits."""
-        with self._lock:
-            self.is_stopped = True
-            self.jobs.put(None)
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send/recv
-            except OSError:
-                pass
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if self.is_stopped:
-                job.error = f"peer {self.info.name!r} was removed"
-            else:
-                job.error = self._run_safely(job)
-            self.owner._finish(job)
-        self._disconnect()
-
-    def _run_safely(self, job: _Job) -> str:
-        try:
-            self._run(job, self._connect())
-            return ""
-        except (OSError, TransportError) as exc:  # ConnectionError and timeouts are OSErrors
-            self._disconnect()  # the stream may be mid-frame: never reuse it
-            return f"{type(exc).__name__}: {exc}"
-
-    def _run(self, job: _Job, sock: socket.socket) -> None:
-        name = self.owner.name
-        if job.op == _OP_WRITE:
-            request = _encode_request(_OP_WRITE, name, job.remote_ids, job.notif)
-            _send_all(sock, [request, *self.owner._region_or_raise().blocks(job.local_ids)])
-            _read_reply(sock)
-            return
-        if job.op == _OP_READ:
-            _send_all(sock, [_encode_request(_OP_READ, name, job.remote_ids, b"")])
-            _read_reply(sock)
-            _recv_into_all(sock, self.owner._region_or_raise().blocks(job.local_ids))
-            if not job.notif:
-                return
-        # the READ's notif goes only once its bytes have landed here
-        _send_all(sock, [_encode_request(_OP_NOTIF, name, [], job.notif)])
-        _read_reply(sock)
-
-    def _connect(self) -> socket.socket:
-        if self.sock is None:
-            timeout_s = self.owner.io_timeout_s
-            sock = socket.create_connection(self.addr, timeout=timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = sock
-        return self.sock
-
-    def _disconnect(self) -> None:
-        sock, self.sock = self.sock, None
-        if sock is not None:
-            sock.close()
 
 
 class TcpTransport(Transport):
@@ -212,8 +46,8 @@ class TcpTransport(Transport):
         self.name = name
         self.io_timeout_s = io_timeout_s  # bounds every connect/send/recv on both sides
         self._lock = threading.Lock()
-        self._region: _Region | None = None
-        self._links: dict[str, _PeerLink] = {}
+        self._region: Region | None = None
+        self._links: dict[str, PeerLink] = {}
         self._link_metadata: dict[str, bytes] = {}
         self._xfers: dict[int, tuple[TransferState, int]] = {}  # handle -> (state, num blocks)
         self._notifs: list[tuple[str, bytes]] = []
@@ -237,7 +71,7 @@ class TcpTransport(Transport):
             if self._region is not None:
                 raise TransportError(f"{self.name}: register() called twice")
             view = buffer_view(base_addr, num_blocks * block_nbytes)
-            self._region = _Region(view, num_blocks, block_nbytes)
+            self._region = Region(view, num_blocks, block_nbytes)
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -262,7 +96,9 @@ class TcpTransport(Transport):
             old = self._links.pop(info.name, None)
             if old is not None:  # restarted peer: its old address is stale
                 old.stop()
-            self._links[info.name] = _PeerLink(self, info, addr)
+            self._links[info.name] = PeerLink(
+                self.name, info, addr, self.io_timeout_s, self._region_or_raise, self._finish
+            )
             self._link_metadata[info.name] = metadata
         return info
 
@@ -285,11 +121,11 @@ class TcpTransport(Transport):
             check_transfer_args(local_ids, remote_ids, num_local, link.info.num_blocks)
             handle = next(self._handle_ids)
             self._xfers[handle] = (TransferState.PROC, len(local_ids))
-        code = _OP_READ if op is Op.READ else _OP_WRITE
-        link.submit(_Job(code, list(local_ids), list(remote_ids), bytes(notif), handle))
+        code = OP_READ if op is Op.READ else OP_WRITE
+        link.submit(Job(code, list(local_ids), list(remote_ids), bytes(notif), handle))
         return handle
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         """Called by a peer worker when a job ended (job.error == "" on success)."""
         if job.error:
             logger.warning("%s: tcp job to peer failed: %s", self.name, job.error)
@@ -321,7 +157,7 @@ class TcpTransport(Transport):
         with self._lock:
             self._check_open()
             link = self._link(peer)
-        job = _Job(_OP_NOTIF, [], [], bytes(notif))
+        job = Job(OP_NOTIF, [], [], bytes(notif))
         link.submit(job)
         if not job.done.wait(2 * self.io_timeout_s):
             raise TransportError(f"{self.name}: send_notif to {peer!r} timed out")
@@ -361,7 +197,7 @@ class TcpTransport(Transport):
         except TransportError as exc:  # a bad request: tell the initiator, then hang up
             logger.warning("%s: refused a request: %s", self.name, exc)
             try:
-                _send_reply(sock, str(exc))
+                send_reply(sock, str(exc))
             except OSError:
                 pass
         except OSError as exc:  # the initiator went away or stalled past io_timeout_s
@@ -374,26 +210,26 @@ class TcpTransport(Transport):
     def _serve_one(self, sock: socket.socket) -> bool:
         """Serve one request; False when the initiator closed the connection cleanly."""
         sock.settimeout(None)  # an idle connection between requests is normal
-        header = sock.recv(_REQUEST.size, socket.MSG_WAITALL)
+        header = sock.recv(REQUEST.size, socket.MSG_WAITALL)
         if not header:
             return False
-        if len(header) < _REQUEST.size:
+        if len(header) < REQUEST.size:
             raise ConnectionError("connection closed mid-header")
         sock.settimeout(self.io_timeout_s)
-        op, name_len, num_ids, notif_len = _REQUEST.unpack(header)
-        body = _recv_exact(sock, name_len + 4 * num_ids + notif_len)
+        op, name_len, num_ids, notif_len = REQUEST.unpack(header)
+        body = recv_exact(sock, name_len + 4 * num_ids + notif_len)
         sender = body[:name_len].decode()
         block_ids = np.frombuffer(body, ">u4", num_ids, name_len).tolist()
         notif = body[name_len + 4 * num_ids :]
-        if op == _OP_READ:
-            _send_all(sock, [_REPLY.pack(0, 0), *self._served_blocks(block_ids)])
-        elif op == _OP_WRITE:
-            _recv_into_all(sock, self._served_blocks(block_ids))
+        if op == OP_READ:
+            send_all(sock, [REPLY.pack(0, 0), *self._served_blocks(block_ids)])
+        elif op == OP_WRITE:
+            recv_into_all(sock, self._served_blocks(block_ids))
             self._deliver(sender, notif)  # only now: the bytes are in our buffer
-            _send_reply(sock)
-        elif op == _OP_NOTIF:
+            send_reply(sock)
+        elif op == OP_NOTIF:
             self._deliver(sender, notif)
-            _send_reply(sock)
+            send_reply(sock)
         else:
             raise TransportError(f"unknown request op {op}")
         return True
@@ -439,12 +275,12 @@ class TcpTransport(Transport):
         if self._is_closed:
             raise TransportError(f"{self.name}: transport is closed")
 
-    def _region_or_raise(self) -> _Region:
+    def _region_or_raise(self) -> Region:
         if self._region is None or self._is_closed:
             raise TransportError(f"{self.name}: no KV buffer registered (or closed)")
         return self._region
 
-    def _link(self, peer: str) -> _PeerLink:
+    def _link(self, peer: str) -> PeerLink:
         if peer not in self._links:
             raise TransportError(f"{self.name}: unknown peer {peer!r}")
         return self._links[peer]
