@@ -1,8 +1,9 @@
 """The router's HTTP app: parse a client request, ask the policy, proxy the legs, stream back.
 
-Owns the three request flows (aggregated, pull, push), aborting the other leg when one fails, and
-the router's Prometheus metrics. Must not rank instances (policy.py) nor poll them (instances.py),
-and never buffers a stream: SSE events are relayed as they arrive.
+Owns the three request flows (aggregated, pull, push) and aborting the other leg when one fails;
+call.py shapes the legs' bodies, metrics.py holds the counters. Must not rank instances
+(policy.py) nor poll them (instances.py), and never buffers a stream: SSE events are relayed as
+they arrive.
 """
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
     generate_latest,
 )
 
 from disagg.config import RouterConfig
-from disagg.protocol import KVTransferParams
+from disagg.router.call import Call, kv_params, parse_call, prefill_body
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
+from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
 from disagg.router.relay import (
     CLIENT_GONE,
@@ -40,64 +38,13 @@ from disagg.router.relay import (
     relay,
 )
 
-__all__ = ["Router", "kv_params", "make_app", "prefill_body", "start_server"]
+__all__ = ["Router", "make_app", "start_server"]
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_TIMEOUT_S = 2.0
 PREFILL_ANSWER_GRACE_S = 2.0  # push: D is done; how long its final chunk waits for P's breakdown
-
-
-@dataclass(slots=True)
-class Call:
-    """One client request as the router proxies it."""
-
-    request: web.Request  # the client's, which the answer is written to
-    path: str  # "/v1/completions" | "/v1/chat/completions"
-    body: dict[str, Any]  # the client's JSON body, never mutated
-    request_id: str  # sent to every leg as X-Request-Id
-    upstream_headers: dict[str, str]
-    started_s: float = field(default_factory=time.monotonic)
-
-    def body_with(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {**self.body, "kv_transfer_params": params}
-
-
-def kv_params(**values: Any) -> dict[str, Any]:
-    """`kv_transfer_params` for a leg, named as KVTransferParams names them; unset flags omitted."""
-    return {k: v for k, v in KVTransferParams(**values).to_dict().items() if v is not False}
-
-
-def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: the same request cut to one token, not streamed, keeping its KV for D."""
-    dropped = ("max_completion_tokens", "min_tokens", "stream_options")
-    out = {k: v for k, v in body.items() if k not in dropped}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
-    return out
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()  # one per app: tests run several routers at once
-        self.requests = Counter(
-            "disagg_router_requests",
-            "Client requests by mode and final status (499 = client went away).",
-            ["mode", "status"],
-            registry=self.registry,
-        )
-        self.leg_seconds = Histogram(
-            "disagg_router_leg_seconds",
-            "Duration of one leg: sent -> last byte read from the instance.",
-            ["leg"],
-            registry=self.registry,
-        )
-        self.first_byte_seconds = Histogram(
-            "disagg_router_time_to_first_byte_seconds",
-            "Client request arrival -> first response byte written (router-side TTFT).",
-            ["mode"],
-            registry=self.registry,
-        )
 
 
 class Router:
@@ -142,7 +89,7 @@ class Router:
     async def _generate(self, request: web.Request, id_prefix: str) -> web.StreamResponse:
         status, request_id = 500, f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            call = await _parse_call(request, request_id)
+            call = await parse_call(request, request_id)
             relayed = await self._dispatch(call)
             status = relayed.status
             return relayed.response
@@ -414,21 +361,6 @@ def _consume(task: asyncio.Future[Any]) -> None:
     """Retrieve a finished task's exception so asyncio does not log it as never retrieved."""
     if task.done() and not task.cancelled():
         task.exception()
-
-
-async def _parse_call(request: web.Request, request_id: str) -> Call:
-    try:
-        body = json.loads(await request.read())
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise RouteError.of(400, f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RouteError.of(400, "request body must be a JSON object")
-    if not isinstance(body.get("stream", False), bool):
-        raise RouteError.of(400, "stream must be a boolean")
-    headers = {"X-Request-Id": request_id}
-    if "Authorization" in request.headers:
-        headers["Authorization"] = request.headers["Authorization"]
-    return Call(request, request.path, body, request_id, headers)
 
 
 def make_app(cfg: RouterConfig) -> web.Application:

@@ -24,16 +24,18 @@ from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
 from disagg.server.openai_api import (
     APIError,
     GenerateRequest,
-    ResponseMeta,
-    chat_body,
-    chat_chunk,
-    completion_body,
-    completion_chunk,
     make_sampling_params,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
     resolve_max_tokens,
+)
+from disagg.server.openai_responses import (
+    ResponseMeta,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
     sse_event,
     usage_chunk,
     usage_dict,

@@ -1,4 +1,4 @@
-"""OpenAI API wire format: parse and validate request bodies, build response bodies and SSE chunks.
+"""OpenAI API wire format, requests: parse and validate bodies (responses: openai_responses.py).
 
 Owns the error shape and every 4xx decision that needs neither tokenizer nor engine (the app checks
 vocabulary and context length). Must not touch the engine, the tokenizer or aiohttp: pure functions
@@ -17,20 +17,12 @@ from disagg.protocol import KVTransferParams, SamplingParams
 __all__ = [
     "APIError",
     "GenerateRequest",
-    "ResponseMeta",
-    "chat_body",
-    "chat_chunk",
-    "completion_body",
-    "completion_chunk",
     "error_body",
     "make_sampling_params",
     "parse_chat_request",
     "parse_completion_request",
     "parse_json_body",
     "resolve_max_tokens",
-    "sse_event",
-    "usage_dict",
-    "usage_chunk",
 ]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -89,15 +81,6 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     kv_transfer_params: KVTransferParams | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseMeta:
-    """Fields every body and chunk of one response repeats."""
-
-    request_id: str
-    model: str
-    created: int  # unix seconds, fixed at arrival
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -359,67 +342,3 @@ def _bad(message: str, param: str | None = None) -> APIError:
 def _unsupported(param: str, message: str | None = None) -> APIError:
     message = message or f"{param} is not supported by this server"
     return APIError(400, message, code="unsupported_parameter", param=param)
-
-
-# ---- responses ----------------------------------------------------------------------------------
-
-
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-    }
-
-
-def completion_body(
-    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(meta, "text_completion"), "choices": [choice], "usage": usage, **extra}
-
-
-def chat_body(
-    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    return {**_head(meta, "chat.completion"), "choices": [choice], "usage": usage, **extra}
-
-
-def completion_chunk(
-    meta: ResponseMeta, text: str, finish_reason: str | None, extra: dict[str, Any]
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(meta, "text_completion"), "choices": [choice], **extra}
-
-
-def chat_chunk(
-    meta: ResponseMeta, delta: dict[str, str], finish_reason: str | None, extra: dict[str, Any]
-) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {**_head(meta, "chat.completion.chunk"), "choices": [choice], **extra}
-
-
-def usage_chunk(meta: ResponseMeta, object_name: str, usage: dict[str, int]) -> dict[str, Any]:
-    """The last chunk when stream_options.include_usage is set: no choices, just usage."""
-    return {**_head(meta, object_name), "choices": [], "usage": usage}
-
-
-def _head(meta: ResponseMeta, object_name: str) -> dict[str, Any]:
-    return {
-        "id": meta.request_id,
-        "object": object_name,
-        "created": meta.created,
-        "model": meta.model,
-    }
-
-
-def sse_event(data: Mapping[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>\\n\\n` (or a literal such as [DONE])."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from disagg.router.app import kv_params, prefill_body
+from disagg.router.call import kv_params, prefill_body
 from tests.e2e.cluster import (
     Answer,
     Cluster,

@@ -1,0 +1,62 @@
+"""One client request as the router proxies it, and the request bodies of its legs.
+
+Pure shaping of JSON bodies (no network): what P is sent (the request cut to one token, not
+streamed), what `kv_transfer_params` each leg carries, and the checks a body must pass first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from disagg.protocol import KVTransferParams
+from disagg.router.relay import RouteError
+
+__all__ = ["Call", "kv_params", "parse_call", "prefill_body"]
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request as the router proxies it."""
+
+    request: web.Request  # the client's, which the answer is written to
+    path: str  # "/v1/completions" | "/v1/chat/completions"
+    body: dict[str, Any]  # the client's JSON body, never mutated
+    request_id: str  # sent to every leg as X-Request-Id
+    upstream_headers: dict[str, str]
+    started_s: float = field(default_factory=time.monotonic)
+
+    def body_with(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {**self.body, "kv_transfer_params": params}
+
+
+def kv_params(**values: Any) -> dict[str, Any]:
+    """`kv_transfer_params` for a leg, named as KVTransferParams names them; unset flags omitted."""
+    return {k: v for k, v in KVTransferParams(**values).to_dict().items() if v is not False}
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg: the same request cut to one token, not streamed, keeping its KV for D."""
+    dropped = ("max_completion_tokens", "min_tokens", "stream_options")
+    out = {k: v for k, v in body.items() if k not in dropped}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    return out
+
+
+async def parse_call(request: web.Request, request_id: str) -> Call:
+    try:
+        body = json.loads(await request.read())
+    except ValueError as exc:  # includes UnicodeDecodeError
+        raise RouteError.of(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RouteError.of(400, "request body must be a JSON object")
+    if not isinstance(body.get("stream", False), bool):
+        raise RouteError.of(400, "stream must be a boolean")
+    headers = {"X-Request-Id": request_id}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    return Call(request, request.path, body, request_id, headers)
