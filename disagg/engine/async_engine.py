@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,7 +78,9 @@ class AsyncEngine:
         self._validate(request_id, prompt_token_ids, sampling)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = outputs
-        self._send("add", (request_id, prompt_token_ids, sampling, kv_transfer_params))
+        # Stamped here, not when the loop thread drains the command after its current step.
+        submitted_s = time.monotonic()
+        self._send("add", (request_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
         finished = False
         try:
             while not finished:
@@ -176,10 +179,15 @@ class AsyncEngine:
                 self.engine.abort(payload)
 
     def _add(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams, params: Any
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        params: Any,
+        submitted_s: float,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, sampling, params)
+            self.engine.add_request(request_id, prompt, sampling, params, arrival_s=submitted_s)
         except ValueError as exc:
             error = RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
             self._publish([error])

@@ -64,12 +64,15 @@ class Engine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
+        arrival_s: float | None = None,
     ) -> None:
+        """`arrival_s` (monotonic) is when the caller submitted it: a request that arrives
+        while a step runs waits for that step, and its queue time must say so."""
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
-            arrival_s=time.monotonic(),
+            arrival_s=time.monotonic() if arrival_s is None else arrival_s,
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
