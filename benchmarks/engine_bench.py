@@ -25,6 +25,7 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.checkpoint import resolve_model
 from disagg.engine.engine import Engine
+from disagg.engine.model import CausalLM, InputMajorLinear, RMSNorm
 from disagg.protocol import SamplingParams
 
 
@@ -139,19 +140,35 @@ def hf_prefill(model: torch.nn.Module, length: int, vocab: int, repeats: int) ->
     return length / statistics.median(times)
 
 
-def gemm_ceiling(model: torch.nn.Module, batch: int, repeats: int) -> float:
-    """Decode tokens/s of a step that did nothing but its matmuls (every Linear once, M=batch):
-    the ceiling for any engine, ours or transformers, that uses torch's GEMMs on this machine."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch, m.in_features) for m in linears]
+def gemm_ceiling(model: CausalLM, batch: int, repeats: int) -> float:
+    """Decode tokens/s of a step that did nothing but our engine's matmuls (every projection of
+    every layer, then the vocabulary projection, at M = batch, through the same modules): the
+    ceiling for this engine, or any engine using torch's CPU GEMMs, on this machine."""
+    projections = [
+        module
+        for layer in model.model.layers
+        for parent in (layer.self_attn, layer.mlp)
+        for module in parent.children()
+        if not isinstance(module, RMSNorm)
+    ]
+    inputs = [torch.randn(batch, _in_features(m)) for m in projections]
+    last = torch.randn(batch, model.spec.hidden_size)
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for m, x in zip(linears, inputs, strict=True):
-                torch.nn.functional.linear(x, m.weight, m.bias)
+            for module, x in zip(projections, inputs, strict=True):
+                module(x)
+            model.compute_logits(last)
             times.append(time.perf_counter() - t0)
     return batch / statistics.median(times)
+
+
+def _in_features(module: torch.nn.Module) -> int:
+    if isinstance(module, InputMajorLinear):
+        return module.weight_t.shape[0]
+    assert isinstance(module, torch.nn.Linear), type(module)
+    return module.in_features
 
 
 def decode_row(engine: Engine, hf: torch.nn.Module, batch: int, args: argparse.Namespace) -> dict:

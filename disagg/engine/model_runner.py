@@ -85,6 +85,8 @@ class ModelRunner:
         model.load_weights(load_weights(model_dir, self.dtype, str(self.device)))
         if self.spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        if self.device.type == "cpu":
+            model.use_input_major_weights()
         return model.eval()
 
     # ------------------------------------------------------------------ KV buffer facts
