@@ -1,108 +1,41 @@
 """`disagg up`: start a local cluster (instances, then the router), wait until healthy, tear down.
 
-Owns child processes only: ports, one log file each, health polling, ordered shutdown, and making
-sure that a killed launcher leaks nothing (children stay in its process group and get
-PR_SET_PDEATHSIG). Serving and routing live in the children; torch is imported here only when a
-short model name must be converted, once, before the instances start.
+Owns the cluster's plan and order: which children, on which ports, healthy in time, stopped
+router first; launcher_children.py is the per-process plumbing (ports, logs, health probes,
+children that die with the launcher). Serving and routing live in the children; torch is
+imported here only when a short model name must be converted, once, before the instances start.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from disagg.launcher_children import (
+    Child,
+    check_port_free,
+    die_with_parent_fn,
+    free_ports,
+    is_healthy,
+    make_log_dir,
+    terminate,
+    url_of,
+)
 from disagg.launcher_config import ClusterConfig, add_arguments, config_from_args
 
 __all__ = ["Cluster", "ClusterConfig", "add_arguments", "config_from_args", "free_ports", "run"]
 
 HEALTH_POLL_S = 0.2  # between /health probes and child liveness checks
-HEALTH_TIMEOUT_S = 1.0  # one probe; a loaded instance still answers /health fast
-KILL_WAIT_S = 5.0  # after SIGKILL; only a process stuck in the kernel takes longer
 MAX_PORT_ATTEMPTS = 3  # a picked port can be taken between our probe and the child's bind
-LOG_TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def free_ports(num_ports: int) -> list[int]:
-    """Distinct loopback TCP ports free right now (all held open together, so never repeated)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(num_ports)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _check_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"cannot use port {port} on {host} for the router: {exc}") from exc
-
-
-def _connect_host(host: str) -> str:
-    # A wildcard bind address is not something to connect to.
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-@dataclass(slots=True)
-class _Child:
-    """One child process (an instance or the router) across its port-clash retries."""
-
-    name: str  # "prefill-0", "decode-1", "both-0", "router"
-    role: str  # the serve role, or "router"
-    make_command: Callable[[int], list[str]]  # port -> argv
-    host: str  # where it binds
-    port: int
-    log_path: Path
-    is_port_ours: bool = True  # picked by us, so a clash may be retried on another
-    proc: subprocess.Popen[bytes] | None = None
-    log_offset: int = 0  # where this attempt's output starts in log_path
-    num_attempts: int = 0
-
-    @property
-    def url(self) -> str:
-        return _url(_connect_host(self.host), self.port)
-
-    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-num_lines:])
-
-    def exit_report(self, when: str = "") -> str:
-        assert self.proc is not None, f"{self.name} was never started"
-        return (
-            f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode}{when}; "
-            f"last lines of {self.log_path}:\n{self.log_tail()}"
-        )
 
 
 class Cluster:
@@ -116,8 +49,8 @@ class Cluster:
         self.config = config
         self.log_dir: Path | None = None  # set by start()
         self._echo = echo or (lambda _line: None)
-        self._instances: list[_Child] = []
-        self._router: _Child | None = None
+        self._instances: list[Child] = []
+        self._router: Child | None = None
 
     @property
     def url(self) -> str:
@@ -144,7 +77,7 @@ class Cluster:
         return {c.name: c.proc.pid for c in self._children if c.proc is not None}
 
     @property
-    def _children(self) -> list[_Child]:
+    def _children(self) -> list[Child]:
         return [*self._instances, *([self._router] if self._router else [])]
 
     def start(self, should_stop: Callable[[], bool] = lambda: False) -> str:
@@ -163,9 +96,9 @@ class Cluster:
         assert not self._children, "a Cluster starts once; make a new one to restart"
         deadline = time.monotonic() + self.config.startup_timeout_s
         if self.config.port:  # fail before loading models, and never mistake another server's
-            _check_port_free(self.config.host, self.config.port)  # /health for our router's
+            check_port_free(self.config.host, self.config.port)  # /health for our router's
         model_dir = _resolve_model(self.config.model)
-        self.log_dir = _make_log_dir(self.config.log_dir)
+        self.log_dir = make_log_dir(self.config.log_dir)
         self._echo(f"disagg up: logs in {self.log_dir}")
         self._instances = self._plan_instances(model_dir)
         for child in self._instances:
@@ -192,8 +125,8 @@ class Cluster:
         Each stage: SIGTERM, wait up to stop_timeout_s, SIGKILL. Idempotent.
         """
         if self._router is not None:
-            _terminate([self._router], self.config.stop_timeout_s)
-        _terminate(self._instances, self.config.stop_timeout_s)
+            terminate([self._router], self.config.stop_timeout_s)
+        terminate(self._instances, self.config.stop_timeout_s)
 
     def __enter__(self) -> Cluster:
         self.start()
@@ -207,7 +140,7 @@ class Cluster:
     ) -> None:
         self.stop()
 
-    def _plan_instances(self, model_dir: Path) -> list[_Child]:
+    def _plan_instances(self, model_dir: Path) -> list[Child]:
         assert self.log_dir is not None
         cfg = self.config
         roles = [role for role, count in cfg.roles for _ in range(count)]
@@ -220,10 +153,10 @@ class Cluster:
                 return cfg.serve_command(role, model_dir, port)
 
             log_path = self.log_dir / f"{name}.log"
-            children.append(_Child(name, role, command, cfg.host, port, log_path))
+            children.append(Child(name, role, command, cfg.host, port, log_path))
         return children
 
-    def _plan_router(self) -> _Child:
+    def _plan_router(self) -> Child:
         assert self.log_dir is not None
         urls = self.instance_urls
         port = self.config.port or free_ports(1)[0]
@@ -233,9 +166,9 @@ class Cluster:
 
         log_path = self.log_dir / "router.log"
         is_ours = self.config.port == 0
-        return _Child("router", "router", command, self.config.host, port, log_path, is_ours)
+        return Child("router", "router", command, self.config.host, port, log_path, is_ours)
 
-    def _spawn(self, child: _Child) -> None:
+    def _spawn(self, child: Child) -> None:
         child.log_offset = child.log_path.stat().st_size if child.log_path.exists() else 0
         child.num_attempts += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log tail must be current on failure
@@ -247,14 +180,14 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=False,  # a signal to the launcher's group reaches them too
-                preexec_fn=_die_with_parent_fn(),
+                preexec_fn=die_with_parent_fn(),
             )
         self._echo(
             f"disagg up: {child.name} pid {child.proc.pid} on {child.url}, log {child.log_path}"
         )
 
     def _wait_healthy(
-        self, children: list[_Child], deadline: float, should_stop: Callable[[], bool]
+        self, children: list[Child], deadline: float, should_stop: Callable[[], bool]
     ) -> None:
         pending = list(children)
         while pending:
@@ -267,11 +200,11 @@ class Cluster:
                     f"not healthy after {timeout_s:g} s: {names}; see {self.log_dir}"
                 )
             for child in list(pending):
-                if self._check_running(child) and _is_healthy(f"{child.url}/health"):
+                if self._check_running(child) and is_healthy(f"{child.url}/health"):
                     pending.remove(child)
             time.sleep(HEALTH_POLL_S)
 
-    def _check_running(self, child: _Child) -> bool:
+    def _check_running(self, child: Child) -> bool:
         """True if running; respawns on another port after a clash; RuntimeError otherwise."""
         assert child.proc is not None
         if child.proc.poll() is None:
@@ -296,53 +229,6 @@ def _resolve_model(model: str) -> Path:
         return resolve_model(model).resolve()
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"cannot resolve model {model!r}: {exc}") from exc
-
-
-def _make_log_dir(log_dir: Path | None) -> Path:
-    if log_dir is None:
-        return Path(tempfile.mkdtemp(prefix="disagg-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return log_dir
-
-
-def _die_with_parent_fn() -> Callable[[], None] | None:
-    """A preexec_fn that makes the kernel SIGKILL the child when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork; the child only calls
-    parent_pid = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _is_healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local: no proxy
-    try:
-        with opener.open(url, timeout=HEALTH_TIMEOUT_S) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _terminate(children: list[_Child], timeout_s: float) -> None:
-    procs = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            try:
-                proc.wait(timeout=KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                print(f"disagg up: pid {proc.pid} survived SIGKILL", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- command line
@@ -414,7 +300,7 @@ def _announce(cluster: Cluster) -> None:
     cfg = cluster.config
     num_decode = sum(len(urls) for role, urls in cluster.instance_urls.items() if role != "prefill")
     num_prefill = len(cluster.instance_urls.get("prefill", []))
-    ready = f"disagg up ready on {_url(cfg.host, cluster.port)}"
+    ready = f"disagg up ready on {url_of(cfg.host, cluster.port)}"
     _say(f"{ready} (mode {cfg.mode}: {num_prefill} prefill, {num_decode} decode)")
     body = json.dumps({"model": cfg.model, "prompt": "Hello", "max_tokens": 16})
     _say(

@@ -3,7 +3,11 @@
 KV cache layout (one tensor, so a block of all layers is contiguous and one transfer
 descriptor per block moves a request's KV):
 
-    kv[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
+    kv[num_blocks, num_layers, 2 (k|v), num_kv_heads, block_size, head_dim]
+
+Heads outside tokens inside a block: one (block, layer, k|v, head) is a contiguous
+[block_size, head_dim] row group, so a gather indexed (request, k|v, head, block) lands as
+[..., 2, Hkv, T, D] — what SDPA reads without another copy.
 
 Attention: new K/V are scattered into their slots, then each prefill chunk attends over its
 gathered blocks (causal, offset by the cached prefix) and all decodes attend in one padded
@@ -34,7 +38,7 @@ class _Prefill:
     token_start: int  # first row of this chunk in the flat batch
     num_tokens: int
     start_pos: int  # tokens already cached before the chunk
-    block_ids: torch.Tensor  # [num_blocks_used] long
+    rows: torch.Tensor  # [2, Hkv, num_blocks_used] long: its KV row groups in layer 0
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class _StepInputs:
     slot_offsets: torch.Tensor  # [N] offset inside that block
     prefills: list[_Prefill]
     decode_start: int  # rows >= decode_start are single-token decodes
-    decode_tables: torch.Tensor | None  # [B, max_blocks] long, padded with block 0
+    decode_rows: torch.Tensor | None  # [B, 2, Hkv, max_blocks] row groups in layer 0; pad = block 0
     decode_len: int  # longest decode context, including the new token
     decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] keys each decode sees; None: all
     sample_rows: torch.Tensor  # [S] rows whose hidden state is sampled
@@ -69,13 +73,15 @@ class ModelRunner:
                 self.num_blocks,
                 spec.num_layers,
                 2,
-                self.block_size,
                 spec.num_kv_heads,
+                self.block_size,
                 spec.head_dim,
             ),
             dtype=self.dtype,
             device=self.device,
         )
+        # The cache as rows of [block_size, head_dim]: what _gather indexes.
+        self._row_groups = self.kv_cache.view(-1, self.block_size, spec.head_dim)
         self.sampler = Sampler(self.device, config.seed)
 
     def _load_model(self, model_dir: str) -> CausalLM:
@@ -147,7 +153,7 @@ class ModelRunner:
             else:
                 assert not decodes, "prefill chunks must precede decodes in the batch"
                 used = req.block_ids[: -(-(req.start_pos + n) // bs)]
-                prefills.append(_Prefill(row, n, req.start_pos, self._long(used)))
+                prefills.append(_Prefill(row, n, req.start_pos, self._rows(self._long(used))))
             if req.do_sample:
                 sample_rows.append(row + n - 1)
                 sampled.append(req)
@@ -159,7 +165,7 @@ class ModelRunner:
             slot_offsets=self._long(slot_offsets),
             prefills=prefills,
             decode_start=len(ids) - len(decodes),
-            decode_tables=tables,
+            decode_rows=None if tables is None else self._rows(tables),
             decode_len=longest,
             decode_mask=mask,
             sample_rows=self._long(sample_rows),
@@ -191,35 +197,46 @@ class ModelRunner:
     def _attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: _StepInputs
     ) -> torch.Tensor:
-        # One scatter writes K and V together: kv[b, layer, :, off] is [2, Hkv, D].
-        self.kv_cache[inputs.slot_blocks, layer, :, inputs.slot_offsets] = torch.stack((k, v), 1)
+        # One scatter writes K and V together: kv[b, layer, :, :, off] is [2, Hkv, D].
+        kv = torch.stack((k, v), 1)
+        self.kv_cache[inputs.slot_blocks, layer, :, :, inputs.slot_offsets] = kv
         if not inputs.prefills:  # the common decode-only step: no output buffer to fill
             return self._decode_attention(layer, q, inputs)
         out = torch.empty_like(q)  # [N, Hq, D]
         for chunk in inputs.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], chunk)
-        if inputs.decode_tables is not None:
+        if inputs.decode_rows is not None:
             start = inputs.decode_start
             out[start:] = self._decode_attention(layer, q[start:], inputs)
         return out
 
-    def _gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `block_ids` ([nb] or [B, nb]) for one layer, one copy.
-        -> each [..., nb * block_size, Hkv, D]. index_select on the layer's strided view copies
-        whole blocks and runs about twice as fast here as advanced indexing."""
-        picked = self.kv_cache[:, layer].index_select(0, block_ids.flatten())
-        blocks = picked.view(*block_ids.shape, *picked.shape[1:])  # [..., nb, 2, bs, Hkv, D]
-        k, v = blocks.unbind(-4)  # [..., nb, bs, Hkv, D]
-        return k.flatten(-4, -3), v.flatten(-4, -3)
+    def _rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Row-group index of every (k|v, head, block) of `block_ids` ([..., nb]) in layer 0
+        -> [..., 2, Hkv, nb]; layer l's are these + l * 2 * Hkv. Built once per step."""
+        heads = self.spec.num_kv_heads
+        per_block = self.spec.num_layers * 2 * heads
+        kv_head = torch.arange(2 * heads, device=self.device).view(2, heads, 1)
+        return block_ids[..., None, None, :] * per_block + kv_head
+
+    def _gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for the row groups `rows` ([..., 2, Hkv, nb], from _rows), in
+        one index_select -> each [..., Hkv, nb * block_size, D], contiguous."""
+        offset = layer * 2 * self.spec.num_kv_heads
+        picked = self._row_groups.index_select(0, (rows + offset).flatten())
+        k, v = picked.view(*rows.shape[:-1], -1, picked.shape[-1]).unbind(-4)
+        return k, v
 
     def _prefill_attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: _Prefill
     ) -> torch.Tensor:
         ctx = chunk.start_pos + chunk.num_tokens
         if chunk.start_pos > 0:  # a cached prefix or earlier chunks: read them from the cache
-            k, v = self._gather(layer, chunk.block_ids)
-        k, v = self._expand_heads(k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1))  # [Hq, ctx, D]
+            k, v = self._gather(layer, chunk.rows)  # [Hkv, T, D]
+            k, v = k[:, :ctx], v[:, :ctx]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # this chunk's own [Hkv, n, D]
+        k, v = self._expand_heads(k, v)  # [Hq, ctx, D]
         # 4-D inputs: with 3-D ones CPU SDPA takes the math kernel (6x slower at 4k tokens).
         qh, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, Hq, n|ctx, D]
         if chunk.start_pos == 0:
@@ -241,11 +258,11 @@ class ModelRunner:
         return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
-        assert inputs.decode_tables is not None
-        k, v = self._gather(layer, inputs.decode_tables)
+        assert inputs.decode_rows is not None
+        k, v = self._gather(layer, inputs.decode_rows)  # [B, Hkv, T, D]
         # Keys past the longest context are block padding: drop them rather than mask them.
-        k, v = k[:, : inputs.decode_len].transpose(1, 2), v[:, : inputs.decode_len].transpose(1, 2)
-        b, num_heads, d = q.shape  # k, v: [B, Hkv, T, D]
+        k, v = k[:, :, : inputs.decode_len], v[:, :, : inputs.decode_len]
+        b, num_heads, d = q.shape
         # GQA without copying K/V: the query heads of one KV head become its "query rows"
         # (head h reads KV head h // groups, as the reference's repeat_kv lays them out).
         qg = q.view(b, k.shape[1], num_heads // k.shape[1], d)  # [B, Hkv, groups, D]

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["Compat", "decode_message", "encode_message", "b64", "unb64"]
 
-KV_LAYOUT = "blocks[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]/v1"
+KV_LAYOUT = "blocks[num_blocks,num_layers,2,num_kv_heads,block_size,head_dim]/v2"
 
 
 @dataclass(frozen=True, slots=True)
