@@ -182,12 +182,12 @@ class ModelRunner:
         lens = [d.start_pos + 1 for d in decodes]
         longest = max(lens)
         width = -(-longest // self.block_size)
-        rows = [d.block_ids[:width] + [0] * (width - min(width, len(d.block_ids))) for d in decodes]
+        padded = [d.block_ids[:width] + [0] * (width - len(d.block_ids[:width])) for d in decodes]
         if min(lens) == longest:
-            return self._long(rows), longest, None
+            return self._long(padded), longest, None
         key_pos = torch.arange(longest, device=self.device)
         mask = key_pos[None, :] < self._long(lens)[:, None]  # [B, T]
-        return self._long(rows), longest, mask[:, None, None, :]
+        return self._long(padded), longest, mask[:, None, None, :]
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
