@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 
 from disagg.config import RouterConfig
-from disagg.router.call import Call, kv_params, parse_call, prefill_body
+from disagg.router.call import Call, kv_params, parse_call, prefill_body, push_params
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
@@ -176,15 +176,8 @@ class Router:
         """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
         info = await self._kv_identity(prefill)
-        transfer_id = uuid.uuid4().hex
-        p_params = kv_params(do_remote_decode=True, connector="push", transfer_id=transfer_id)
-        d_params = kv_params(
-            do_remote_prefill=True,
-            connector="push",
-            transfer_id=transfer_id,
-            remote_engine_id=info.engine_id,
-            remote_host=info.kv_host,
-            remote_port=info.kv_port,
+        p_params, d_params = push_params(
+            uuid.uuid4().hex, info.engine_id, info.kv_host, info.kv_port
         )
         started_s = time.monotonic()
         p_task = asyncio.create_task(self._prefill(prefill, call, p_params))

@@ -16,7 +16,7 @@ from aiohttp import web
 from disagg.protocol import KVTransferParams
 from disagg.router.relay import RouteError
 
-__all__ = ["Call", "kv_params", "parse_call", "prefill_body"]
+__all__ = ["Call", "kv_params", "parse_call", "prefill_body", "push_params"]
 
 
 @dataclass(slots=True)
@@ -37,6 +37,23 @@ class Call:
 def kv_params(**values: Any) -> dict[str, Any]:
     """`kv_transfer_params` for a leg, named as KVTransferParams names them; unset flags omitted."""
     return {k: v for k, v in KVTransferParams(**values).to_dict().items() if v is not False}
+
+
+def push_params(
+    transfer_id: str, engine_id: str, kv_host: str, kv_port: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(P's, D's) `kv_transfer_params` for one push handoff: both keyed by `transfer_id`; D is
+    told which prefill instance (engine id and KV side channel) will write into its blocks."""
+    p_params = kv_params(do_remote_decode=True, connector="push", transfer_id=transfer_id)
+    d_params = kv_params(
+        do_remote_prefill=True,
+        connector="push",
+        transfer_id=transfer_id,
+        remote_engine_id=engine_id,
+        remote_host=kv_host,
+        remote_port=kv_port,
+    )
+    return p_params, d_params
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

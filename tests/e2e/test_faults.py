@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from disagg.router.call import kv_params, prefill_body
+from disagg.router.call import kv_params, prefill_body, push_params
 from tests.e2e.cluster import (
     Answer,
     Cluster,
@@ -343,15 +343,8 @@ def _decode_leg(decode: Proc, body: dict[str, Any], params: dict[str, Any]) -> A
 def _push_legs(prefill: Proc, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(P leg body, D leg body) of one push dispatch, keyed by a fresh transfer id."""
     info = prefill.kv_info()
-    transfer_id = uuid.uuid4().hex
-    p_params = kv_params(do_remote_decode=True, connector="push", transfer_id=transfer_id)
-    d_params = kv_params(
-        do_remote_prefill=True,
-        connector="push",
-        transfer_id=transfer_id,
-        remote_engine_id=info["engine_id"],
-        remote_host=info["kv_host"],
-        remote_port=info["kv_port"],
+    p_params, d_params = push_params(
+        uuid.uuid4().hex, info["engine_id"], info["kv_host"], info["kv_port"]
     )
     return prefill_body(body, p_params), {**body, "kv_transfer_params": d_params}
 
