@@ -10,7 +10,7 @@ from __future__ import annotations
 from disagg.engine.block_pool import BlockPool, hash_block_tokens
 from disagg.engine.request import Request
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:

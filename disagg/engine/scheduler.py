@@ -280,9 +280,9 @@ class Scheduler:
         assert self.connector is not None
         if self.connector.request_aborted(request):
             self.draining[request.request_id] = request.block_ids
+            request.block_ids = []
         else:
-            self.block_pool.free(request.block_ids)
-        request.block_ids = []
+            self.kv.free(request)
 
     # ------------------------------------------------------------------ finish
 

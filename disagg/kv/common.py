@@ -20,7 +20,9 @@ from typing import Any
 from aiohttp import web
 
 from disagg.config import EngineConfig
+from disagg.engine.kv_cache_manager import cdiv
 from disagg.engine.outputs import KVConnectorOutput
+from disagg.engine.request import Request, RequestStatus
 from disagg.kv.connector import KVConnector
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
 from disagg.kv.transport import TransportError, make_transport
@@ -40,6 +42,9 @@ _IDLE_LISTEN_INTERVAL_S = 0.01  # nothing pending at all: no notification is awa
 
 class HandshakeError(RuntimeError):
     """The peer refused us (incompatible) or could not be reached."""
+
+
+_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
@@ -184,6 +189,18 @@ class ConnectorBase(KVConnector):
         self.stats["handshakes"] += 1
         self.stats["handshake_s_total"] += time.monotonic() - started
         return name
+
+    # ------------------------------------------------------------------ request facts
+
+    def num_prompt_blocks(self, request: Request) -> int:
+        """Blocks holding the prompt's KV: what a handoff moves."""
+        return cdiv(request.num_prompt_tokens, self.block_size)
+
+    @staticmethod
+    def sends_kv(request: Request) -> bool:
+        """A prefill-side request whose KV goes to a decode instance: not if it was aborted or
+        failed (nobody will read it)."""
+        return request.is_remote_decode and request.finish_status not in _NOT_SENT
 
     # ------------------------------------------------------------------ reporting
 

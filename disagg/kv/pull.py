@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.engine.outputs import KVConnectorOutput
-from disagg.engine.request import Request, RequestStatus
+from disagg.engine.request import Request
 from disagg.kv.common import ConnectorBase
 from disagg.kv.handshake import encode_message
 from disagg.kv.transport import Op, TransferState, TransportError
 
 __all__ = ["PullConnector"]
-
-_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(slots=True, eq=False)
@@ -37,10 +35,6 @@ class _Load:
     handle: int | None = None
     posted_s: float | None = None
     num_descriptors: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PullConnector(ConnectorBase):
@@ -63,7 +57,7 @@ class PullConnector(ConnectorBase):
     ) -> None:
         params = request.kv_transfer_params
         assert params is not None
-        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_blocks = self.num_prompt_blocks(request)
         remote_ids = params.remote_block_ids or []
         problem = _check_params(params, len(remote_ids), num_blocks)
         peer: Future[str] = Future()
@@ -89,9 +83,9 @@ class PullConnector(ConnectorBase):
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
-        if not request.is_remote_decode or request.finish_status in _NOT_SENT:
+        if not self.sends_kv(request):
             return False, None
-        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_blocks = self.num_prompt_blocks(request)
         with self._lock:
             self._leases[request.request_id] = time.monotonic() + self.kv_config.lease_s
         return True, {

@@ -19,18 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from disagg.engine.outputs import KVConnectorOutput
-from disagg.engine.request import Request, RequestStatus
+from disagg.engine.request import Request
 from disagg.kv.common import ConnectorBase, HandshakeError, post_json
 from disagg.kv.push_writer import PushWriter
 
 __all__ = ["PushConnector"]
 
-_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 _NOTIFY_POLL_S = 0.0005  # decode side: slowest poll for write_done while a reservation waits
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True, eq=False)
@@ -83,7 +78,7 @@ class PushConnector(ConnectorBase):
             reason = "push needs transfer_id, remote_engine_id, remote_host and remote_port"
             self.report(failed=(request.request_id, reason))
             return
-        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_blocks = self.num_prompt_blocks(request)
         reservation = _Reservation(
             request=request,
             transfer_id=tid,
@@ -197,12 +192,12 @@ class PushConnector(ConnectorBase):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
         params = request.kv_transfer_params
-        if not request.is_remote_decode or request.finish_status in _NOT_SENT:
+        if not self.sends_kv(request):
             return False, None
         tid = params.transfer_id if params else None
         if not tid or self._writer is None:
             return False, None
-        num_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_blocks = self.num_prompt_blocks(request)
         first_token = request.output_token_ids[0]
         self._writer.prefill_done(
             tid, request.request_id, request.block_ids[:num_blocks], first_token
