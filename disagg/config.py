@@ -6,7 +6,7 @@ This is the only module that reads environment variables. No torch here.
 from __future__ import annotations
 
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -18,8 +18,12 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "cache_dir",
+    "env_cluster_token",
     "field_help",
 ]
+
+CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+_MIN_TOKEN_CHARS = 16
 
 Role = Literal["both", "prefill", "decode"]
 ConnectorName = Literal["pull", "push"]
@@ -36,6 +40,22 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "disagg"
+
+
+def env_cluster_token() -> str:
+    """The cluster secret from the environment ("" when unset): how `disagg up` hands it to
+    its children without putting it on a command line that `ps` shows."""
+    return os.environ.get(CLUSTER_TOKEN_ENV, "")
+
+
+def _check_token(owner: str, token: str, *, is_required: bool) -> None:
+    if token and len(token) < _MIN_TOKEN_CHARS:
+        raise ValueError(f"cluster_token must have at least {_MIN_TOKEN_CHARS} characters")
+    if is_required and not token:
+        raise ValueError(
+            f"{owner} needs a cluster token (--cluster-token or ${CLUSTER_TOKEN_ENV}; "
+            "`disagg up` makes one): it signs every internal call between the instances"
+        )
 
 
 def _check_choice(name: str, value: object, kind: Any) -> None:
@@ -87,6 +107,8 @@ class KVTransferConfig:
     # Fault injection for tests and drills: "" | "fail_transfer" (every transfer this instance
     # starts fails) | "delay_register:SECONDS" (push: D registers its blocks late).
     fault: str = ""
+    # The cluster's shared secret: signs internal calls, authenticates KV peers (never logged).
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, Role)
@@ -94,6 +116,7 @@ class KVTransferConfig:
         _check_choice("transport", self.transport, TransportName)
         _check_choice("failure_policy", self.failure_policy, FailurePolicy)
         _check_positive(self, "lease_s", "reservation_timeout_s", "transfer_timeout_s")
+        _check_token(f"a {self.role} instance", self.cluster_token, is_required=self.role != "both")
         if not (self.fault in ("", "fail_transfer") or self.fault.startswith("delay_register:")):
             raise ValueError(
                 f"fault must be '', fail_transfer or delay_register:S, got {self.fault!r}"
@@ -139,10 +162,13 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    api_key: str = field(default="", repr=False)  # "" = the OpenAI API is open, as vLLM's
+    max_request_bytes: int = 16 * 1024 * 1024  # a 128k-token prompt as ids is ~1 MB
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        _check_positive(self, "max_request_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,15 +181,24 @@ class RouterConfig:
     port: int = 8000
     load_poll_interval_s: float = 0.05  # how often least_loaded refreshes /load
     request_timeout_s: float = 600.0
+    api_key: str = field(default="", repr=False)  # clients' bearer key; "" = open
+    cluster_token: str = field(default="", repr=False)  # signs the legs and aborts
+    max_request_bytes: int = 16 * 1024 * 1024
+    # When a prefill instance fails before anything was streamed: "fail" answers the error,
+    # "recompute" sends the request whole to a decode instance (it prefills itself).
+    failure_policy: FailurePolicy = "fail"
 
     def __post_init__(self) -> None:
+        _check_choice("failure_policy", self.failure_policy, FailurePolicy)
         _check_choice("mode", self.mode, RouterMode)
         _check_choice("policy", self.policy, PolicyName)
         if not self.decode_urls:
             raise ValueError("decode_urls must name at least one instance")
         if self.mode != "aggregated" and not self.prefill_urls:
             raise ValueError(f"mode {self.mode} needs at least one prefill url")
-        _check_positive(self, "load_poll_interval_s", "request_timeout_s")
+        _check_positive(self, "load_poll_interval_s", "request_timeout_s", "max_request_bytes")
+        _check_token("a pull or push router", self.cluster_token,
+                     is_required=self.mode != "aggregated")  # fmt: skip
 
 
 def field_help(cls: type) -> dict[str, tuple[Any, str]]:

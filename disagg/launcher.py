@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from disagg.config import CLUSTER_TOKEN_ENV, env_cluster_token
 from disagg.launcher_children import (
     Child,
     check_port_free,
@@ -51,6 +53,8 @@ class Cluster:
         self._echo = echo or (lambda _line: None)
         self._instances: list[Child] = []
         self._router: Child | None = None
+        # One secret per cluster (or the operator's): signs every call between the children.
+        self._cluster_token = env_cluster_token() or secrets.token_urlsafe(32)
 
     @property
     def url(self) -> str:
@@ -172,6 +176,7 @@ class Cluster:
         child.log_offset = child.log_path.stat().st_size if child.log_path.exists() else 0
         child.num_attempts += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log tail must be current on failure
+        env[CLUSTER_TOKEN_ENV] = self._cluster_token  # in the environment: `ps` shows argv
         with open(child.log_path, "ab") as log:  # the child keeps its own descriptor
             child.proc = subprocess.Popen(
                 child.make_command(child.port),

@@ -121,7 +121,22 @@ class ClusterConfig:
         cmd += ["--policy", self.policy, "--host", self.host, "--port", str(port)]
         if urls.get("prefill"):
             cmd += ["--prefill", *urls["prefill"]]
+        # The router follows the decode instances' failure policy: under recompute it also
+        # sends a request whose prefill instance died to a decode instance whole.
+        policy = _flag_value([*self.serve_args, *self.decode_args], "--failure-policy")
+        cmd += ["--failure-policy", policy] if policy else []
         return cmd + ["--decode", *urls.get("decode", []), *urls.get("both", [])]
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given to `flag` in args (`--flag V` or `--flag=V`), or None."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _check_choice(name: str, value: object, kind: Any) -> None:

@@ -7,6 +7,7 @@ Field names of `KVTransferParams` follow vLLM's so proxies and tools written for
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -24,6 +25,11 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client went away or an operator aborted it
     ERROR = "error"  # the request failed (e.g. KV transfer failed under policy `fail`)
+
+
+# Below this, logits / temperature overflows to inf for ordinary logits and the softmax turns
+# to NaN; such a request asks for the argmax anyway (vLLM draws the same line).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +64,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def replace(self, **changes: Any) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -76,6 +82,8 @@ def _check_int(name: str, value: object, *, minimum: int | None) -> None:
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -113,25 +121,42 @@ class KVTransferParams:
         return params
 
     def _validate(self) -> None:
+        """Types and ranges of every field: these values index block tables, name peers and
+        time leases, so nothing unchecked may reach the engine."""
         for name in ("do_remote_decode", "do_remote_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"kv_transfer_params.{name} must be a boolean")
         if self.do_remote_decode and self.do_remote_prefill:
             raise ValueError("do_remote_decode and do_remote_prefill are exclusive")
+        for name in _ID_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 256):
+                raise TypeError(f"kv_transfer_params.{name} must be a string of 1-256 chars")
         ids = self.remote_block_ids
         if ids is not None and (
             not isinstance(ids, list) or not all(type(b) is int and b >= 0 for b in ids)
         ):
             raise TypeError("kv_transfer_params.remote_block_ids must be a list of block ids")
-        if self.remote_port is not None and type(self.remote_port) is not int:
-            raise TypeError("kv_transfer_params.remote_port must be an integer")
-        if self.lease_s is not None and (
-            not isinstance(self.lease_s, int | float) or isinstance(self.lease_s, bool)
+        if self.remote_port is not None and not (
+            type(self.remote_port) is int and 0 < self.remote_port < 65536
         ):
-            raise TypeError("kv_transfer_params.lease_s must be a number")
+            raise TypeError("kv_transfer_params.remote_port must be a port number")
+        for name in ("num_prompt_tokens", "first_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (type(value) is int and value >= 0):
+                raise TypeError(f"kv_transfer_params.{name} must be an integer >= 0")
+        if self.lease_s is not None:
+            _check_number("kv_transfer_params.lease_s", self.lease_s)
+            if self.lease_s <= 0:
+                raise ValueError("kv_transfer_params.lease_s must be > 0")
+        if self.connector not in (None, "pull", "push"):
+            raise ValueError("kv_transfer_params.connector must be pull or push")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+_ID_FIELDS = ("remote_engine_id", "remote_host", "remote_request_id", "transfer_id")
 
 
 @dataclass(slots=True)

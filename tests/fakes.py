@@ -7,7 +7,7 @@ import itertools
 
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
-from disagg.engine.outputs import KVConnectorOutput, RunnerOutput, SchedulerOutput
+from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
 from disagg.kv.connector import KVConnector
@@ -82,6 +82,8 @@ class FakeConnector(KVConnector):
         self.fail = fail or set()
         self.loading: dict[str, int] = {}
         self.sending: dict[str, int] = {}
+        self.settling: dict[str, int] = {}  # aborted with a transfer in flight
+        self.block_ids: dict[str, list[int]] = {}  # what each request's transfer touches
         self.new_loads: list[str] = []
         self.in_flight_on_abort = False
         self.aborted: list[str] = []
@@ -91,6 +93,7 @@ class FakeConnector(KVConnector):
 
     def on_blocks_allocated(self, request: Request, block_ids: list[int], n: int) -> None:
         self.new_loads.append(request.request_id)
+        self.block_ids[request.request_id] = list(block_ids)
 
     def build_meta(self) -> object:
         meta, self.new_loads = self.new_loads, []
@@ -107,7 +110,7 @@ class FakeConnector(KVConnector):
         self.loading.pop(request.request_id, None)
         self.sending.pop(request.request_id, None)
         if self.in_flight_on_abort:
-            self.sending[request.request_id] = self.delay  # report it later
+            self.settling[request.request_id] = self.delay  # report it settled later
         return self.in_flight_on_abort
 
     def start_load(self, meta: object) -> None:
@@ -119,19 +122,24 @@ class FakeConnector(KVConnector):
         for table, done in (
             (self.loading, out.finished_recving),
             (self.sending, out.finished_sending),
+            (self.settling, out.settled),
         ):
             for request_id in list(table):
                 table[request_id] -= 1
                 if table[request_id] <= 0:
                     del table[request_id]
                     if request_id in self.fail:
-                        out.failed[request_id] = "injected failure"
+                        out.failed[request_id] = KVFailure("injected failure")
                     else:
                         done.add(request_id)
         return out
 
     def has_pending(self) -> bool:
-        return bool(self.loading or self.sending)
+        return bool(self.loading or self.sending or self.settling)
+
+    def blocks_in_use(self) -> set[int]:
+        busy = [*self.loading, *self.settling]
+        return {b for rid in busy for b in self.block_ids.get(rid, [])}
 
 
 def run_step(

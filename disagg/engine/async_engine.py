@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,11 +26,17 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to do: sleep until woken (new request) or this long
 _KV_POLL_S = 0.0005  # only transfers in flight: poll them this often without spinning a core
+_DEATH_EXIT_CODE = 70  # EX_SOFTWARE: the engine loop died; a supervisor should restart us
+_DEATH_FLUSH_S = 0.5  # time for the failed requests' answers to leave before the exit
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, *, exit_on_death: bool = False):
+        """exit_on_death: when the loop dies, fail every request and exit the process
+        (a server's choice: a supervisor restarts it; an engine that cannot step must not
+        live on as a zombie answering 503)."""
         self.config = config
+        self.exit_on_death = exit_on_death
         self.model_dir = str(model_dir)
         self.model_name = config.model_name
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -75,7 +82,7 @@ class AsyncEngine:
         sampling: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        self._validate(request_id, prompt_token_ids, sampling)
+        self._validate(request_id, prompt_token_ids, sampling, kv_transfer_params)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = outputs
         # Stamped here, not when the loop thread drains the command after its current step.
@@ -117,7 +124,13 @@ class AsyncEngine:
         connector = self.engine.connector if self.engine is not None else None
         return connector.http_routes() if connector is not None else []
 
-    def _validate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+    def _validate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        params: KVTransferParams | None,
+    ) -> None:
         if self._dead is not None:
             raise EngineOverloadedError(f"engine is dead: {self._dead}")
         if request_id in self._queues:
@@ -130,6 +143,26 @@ class AsyncEngine:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
                 f"the context length {self.max_model_len}"
+            )
+        if params is not None:
+            self._validate_kv_params(params, len(prompt))
+
+    def _validate_kv_params(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
+        """A handoff this instance can serve, or ValueError: the wrong role's params would
+        trip the scheduler's invariants, and a bad first token id would index past the
+        vocabulary inside a model step."""
+        role = self.config.kv_transfer.role
+        if params.do_remote_prefill and role != "decode":
+            raise ValueError(f"do_remote_prefill needs a decode instance; this one is {role}")
+        if params.do_remote_decode and role != "prefill":
+            raise ValueError(f"do_remote_decode needs a prefill instance; this one is {role}")
+        first = params.first_token_id
+        if first is not None and first >= self.vocab_size:
+            raise ValueError(f"first_token_id must be in [0, {self.vocab_size}), got {first}")
+        if params.num_prompt_tokens not in (None, num_prompt_tokens):
+            raise ValueError(
+                f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens}, "
+                f"the prompt has {num_prompt_tokens} tokens"
             )
 
     def _send(self, kind: str, payload: Any) -> None:
@@ -157,6 +190,16 @@ class AsyncEngine:
             log.exception("engine loop died")
             self._dead = f"{type(exc).__name__}: {exc}"
             self._fail_all()
+            if self.exit_on_death:
+                self._exit_soon()
+
+    def _exit_soon(self) -> None:
+        assert self._loop is not None
+        log.critical("exiting with code %d so that a supervisor restarts this instance",
+                     _DEATH_EXIT_CODE)  # fmt: skip
+        timer = threading.Timer(_DEATH_FLUSH_S, os._exit, (_DEATH_EXIT_CODE,))
+        timer.daemon = True
+        timer.start()
 
     def _wait_for_kv(self) -> None:
         """Only KV in flight: poll the loop's own transfers often; anything the connector's
@@ -172,11 +215,13 @@ class AsyncEngine:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 self._add(*payload)
             else:
                 self.engine.abort(payload)
+        if outputs := self.engine.take_outputs():
+            self._publish(outputs)  # an abort's final output: the stream ends now
 
     def _add(
         self,

@@ -9,15 +9,24 @@ free. Eviction takes the least recently freed block first.
 
 from __future__ import annotations
 
+import array
+import hashlib
 from collections import OrderedDict
 
-__all__ = ["BlockPool", "hash_block_tokens"]
+__all__ = ["BlockHash", "BlockPool", "hash_block_tokens"]
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Hash of a full block, chained to its parent so equal blocks at different positions
-    (or after different prefixes) never collide by construction."""
-    return hash((parent_hash, tuple(token_ids)))
+BlockHash = bytes  # a SHA-256 digest
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
+    """SHA-256 of a full block chained to its parent's digest, so equal blocks at different
+    positions (or after different prefixes) get different keys. Cryptographic on purpose:
+    Python's hash() of ints is predictable, so a client could craft a prompt whose blocks
+    collide with another client's and be served (or poison) their KV."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array.array("q", token_ids).tobytes())  # fixed width: no ambiguous joins
+    return digest.digest()
 
 
 class BlockPool:
@@ -28,8 +37,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._hash_of: dict[int, int] = {}  # block id -> hash (cached blocks only)
-        self._block_of: dict[int, int] = {}  # hash -> block id
+        self._hash_of: dict[int, BlockHash] = {}  # block id -> hash (cached blocks only)
+        self._block_of: dict[BlockHash, int] = {}  # hash -> block id
         self.num_cache_hits = 0  # blocks served from the cache since start (metrics)
 
     @property
@@ -66,7 +75,7 @@ class BlockPool:
                 if block_id not in self._hash_of:
                     self._free.move_to_end(block_id, last=False)  # reuse uncached ones first
 
-    def lookup(self, block_hashes: list[int]) -> list[int]:
+    def lookup(self, block_hashes: list[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `block_hashes` (not referenced yet)."""
         if not self.enable_caching:
             return []
@@ -86,7 +95,7 @@ class BlockPool:
             self._ref_counts[block_id] += 1
         self.num_cache_hits += len(block_ids)
 
-    def cache(self, block_id: int, block_hash: int) -> None:
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Publish a full, computed block under its hash (first writer wins)."""
         if not self.enable_caching or block_id in self._hash_of:
             return

@@ -6,12 +6,14 @@ poll KV transfers -> update. It is not thread-safe; `AsyncEngine` calls it from 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from disagg.config import EngineConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.model_runner import ModelRunner
+from disagg.engine.outputs import RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
 from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from disagg.kv.connector import KVConnector
 
 __all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -88,11 +92,27 @@ class Engine:
         sched = self.scheduler.schedule(time.monotonic())
         if self.connector is not None:
             self.connector.start_load(sched.kv_meta)  # pull: READ posted here, inline
-        runner_out = self.runner.execute(sched)
+        runner_out = self._execute(sched)
         if self.connector is not None:
             runner_out.kv = self.connector.get_finished()
         self.num_steps += 1
         return self.scheduler.update(sched, runner_out, time.monotonic())
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs produced between steps (an abort while idle): publish them now, or the
+        aborted client waits for the next step that may never come."""
+        return self.scheduler.take_pending_outputs()
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the model; a step that raises fails the requests it held, not the engine.
+        The runner keeps no per-request state, so the next step starts clean."""
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - any model error is this batch's, not the loop's
+            ids = [s.request_id for s in sched.requests]
+            log.exception("model step failed; failing its %d requests: %s", len(ids), ids)
+            reason = f"model step failed: {type(exc).__name__}: {exc}"
+            return RunnerOutput(failed=dict.fromkeys(ids, reason))
 
     def close(self) -> None:
         if self.connector is not None:

@@ -7,7 +7,7 @@ counts and the hash -> block map): block ids and token counts only.
 
 from __future__ import annotations
 
-from disagg.engine.block_pool import BlockPool, hash_block_tokens
+from disagg.engine.block_pool import BlockHash, BlockPool, hash_block_tokens
 from disagg.engine.request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
@@ -76,9 +76,9 @@ class KVCacheManager:
         needed = cdiv(request.num_computed_tokens + num_new, self.block_size)
         return max(0, needed - len(request.block_ids))
 
-    def _chain_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         bs = self.block_size
-        hashes: list[int] = []
+        hashes: list[BlockHash] = []
         parent = None
         for index in range(num_blocks):
             parent = hash_block_tokens(parent, request.token_slice(index * bs, (index + 1) * bs))

@@ -126,9 +126,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         params = [s.sampling for s in inputs.sampled]
         tokens = self.sampler(logits, params, [s.output_index for s in inputs.sampled])
-        return RunnerOutput(
-            sampled_token_ids={s.request_id: t for s, t in zip(inputs.sampled, tokens, strict=True)}
-        )
+        out = RunnerOutput()
+        for scheduled, token in zip(inputs.sampled, tokens, strict=True):
+            if token is None:
+                out.failed[scheduled.request_id] = "sampling found no valid distribution"
+            else:
+                out.sampled_token_ids[scheduled.request_id] = token
+        return out
 
     def _prepare(self, requests: list[ScheduledRequest]) -> _StepInputs:
         ids: list[int] = []

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 from disagg.protocol import SamplingParams
 
-__all__ = ["KVConnectorOutput", "RunnerOutput", "ScheduledRequest", "SchedulerOutput"]
+__all__ = [
+    "KVConnectorOutput",
+    "KVFailure",
+    "RunnerOutput",
+    "ScheduledRequest",
+    "SchedulerOutput",
+]
 
 
 @dataclass(slots=True)
@@ -35,21 +41,42 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass(frozen=True, slots=True)
+class KVFailure:
+    """Why a request's KV handoff failed, and what the deployment's policy says to do."""
+
+    reason: str  # for the client's error message and the log
+    recompute: bool = False  # True: prefill locally from the prompt instead of failing
+
+
 @dataclass(slots=True)
 class KVConnectorOutput:
+    """What the connector learned since the last step. A request id may appear in `failed` and
+    later in `settled`: failing a request ends it for the client, settling frees its blocks."""
+
     finished_sending: set[str] = field(default_factory=set)  # prefill side: blocks may be freed
     finished_recving: set[str] = field(default_factory=set)  # decode side: KV landed
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> reason (transfer failed)
+    failed: dict[str, KVFailure] = field(default_factory=dict)  # request id -> why
+    # Requests whose blocks the scheduler holds in `draining` because a transfer might still
+    # touch them: it has now ended (or was proven never to start); the blocks may be reused.
+    settled: set[str] = field(default_factory=set)
     first_token_ids: dict[str, int] = field(default_factory=dict)  # push: P's sampled token
 
     @property
     def is_empty(self) -> bool:
         return not (
-            self.finished_sending or self.finished_recving or self.failed or self.first_token_ids
+            self.finished_sending
+            or self.finished_recving
+            or self.failed
+            or self.settled
+            or self.first_token_ids
         )
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    # Requests the runner could not serve (e.g. sampling produced no valid distribution): the
+    # scheduler fails each one alone; the rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> reason
     kv: KVConnectorOutput = field(default_factory=KVConnectorOutput)

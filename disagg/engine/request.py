@@ -53,7 +53,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in `block_ids`
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a remote prefill
     block_ids: list[int] = field(default_factory=list)  # covers num_computed_tokens (and more)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks so far
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None  # set with FINISHED_ERROR
     finish_status: RequestStatus | None = None  # how it finished (status may then be KV_SEND)

@@ -24,22 +24,27 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]
-    ) -> list[int]:
-        """logits [B, vocab] fp32 -> one token id per row."""
+    ) -> list[int | None]:
+        """logits [B, vocab] fp32 -> one token id per row; None for a row whose parameters
+        leave no valid distribution (that request fails alone, the batch goes on)."""
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
         return [self._sample_row(logits[i], p, output_indices[i]) for i, p in enumerate(params)]
 
-    def _sample_row(self, logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    def _sample_row(
+        self, logits: torch.Tensor, params: SamplingParams, position: int
+    ) -> int | None:
         if params.is_greedy:
             return int(logits.argmax())
-        logits = logits / params.temperature
+        logits = logits.float() / params.temperature
         if params.top_k is not None and params.top_k < logits.shape[-1]:
             kth = torch.topk(logits, params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if params.top_p < 1.0:
             probs = _top_p(probs, params.top_p)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return None  # multinomial would raise, and take the engine loop with it
         return int(torch.multinomial(probs, 1, generator=self._generator_for(params, position)))
 
     def _generator_for(self, params: SamplingParams, position: int) -> torch.Generator:

@@ -12,7 +12,13 @@ from collections import deque
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_cache_manager import KVCacheManager
-from disagg.engine.outputs import KVConnectorOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from disagg.engine.outputs import (
+    KVConnectorOutput,
+    KVFailure,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from disagg.engine.request import Request, RequestStatus
 from disagg.kv.connector import KVConnector
 from disagg.protocol import RequestOutput
@@ -173,6 +179,10 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
+            if scheduled.request_id in runner.failed:
+                request.error = runner.failed[scheduled.request_id]
+                self._finish(request, RequestStatus.FINISHED_ERROR, now)
+                continue
             request.num_computed_tokens += len(scheduled.token_ids)
             self.kv.cache_full_blocks(request)
             token = runner.sampled_token_ids.get(scheduled.request_id)
@@ -211,11 +221,12 @@ class Scheduler:
     def _apply_kv(self, kv: KVConnectorOutput, now: float) -> None:
         for request_id in kv.finished_recving:
             self._on_kv_received(request_id, kv.first_token_ids.get(request_id), now)
-        for request_id, reason in kv.failed.items():
-            self._on_kv_failed(request_id, reason, now)
+        for request_id, failure in kv.failed.items():
+            self._on_kv_failed(request_id, failure, now)
         for request_id in kv.finished_sending:
             self._on_kv_sent(request_id)
-        for request_id in kv.finished_recving | kv.finished_sending | set(kv.failed):
+        # After `failed`: a failure may put blocks in `draining`, and only a settle frees them.
+        for request_id in kv.settled:
             self._settle_draining(request_id)
 
     def _on_kv_received(self, request_id: str, first_token: int | None, now: float) -> None:
@@ -240,19 +251,20 @@ class Scheduler:
         else:
             request.num_computed_tokens -= 1  # recompute the last prompt token to sample
 
-    def _on_kv_failed(self, request_id: str, reason: str, now: float) -> None:
-        """The connector reports `failed` only once no transfer can still touch the blocks."""
+    def _on_kv_failed(self, request_id: str, failure: KVFailure, now: float) -> None:
+        """A handoff failed. A transfer may still be in flight: the blocks leave through
+        _drop_kv_blocks, which keeps them in `draining` until the connector settles it."""
         request = self.requests.get(request_id)
         if request is None:
             return
         if request.status is RequestStatus.WAITING_FOR_KV_SEND:
             del self.sending[request_id]
-            self.kv.free(request)  # the caller already has its answer
-            self._release(request)
+            self._drop_kv_blocks(request)
+            self._release(request)  # the caller already has its answer
             return
         if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             return
-        if reason.startswith("recompute:"):
+        if failure.recompute:
             # Policy `recompute`: prefill locally from the prompt, as if never disaggregated.
             del self.waiting_for_kv[request_id]
             self._drop_kv_blocks(request)
@@ -260,7 +272,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             return
-        request.error = reason
+        request.error = failure.reason
         self._finish(request, RequestStatus.FINISHED_ERROR, now)
 
     def _on_kv_sent(self, request_id: str) -> None:
@@ -275,8 +287,10 @@ class Scheduler:
             self.block_pool.free(block_ids)
 
     def _drop_kv_blocks(self, request: Request) -> None:
-        """Give back the blocks of a request leaving a KV state, unless the connector says a
-        transfer may still land in them: then they wait in `draining` until it settles."""
+        """The one way blocks leave a KV state early (abort, failure, recompute): freed now only
+        if the connector says no transfer can touch them any more; otherwise they wait in
+        `draining` until the connector reports the id in `settled`. Reusing them sooner is how
+        a late write lands in another request's KV (check_integrity checks this)."""
         assert self.connector is not None
         if self.connector.request_aborted(request):
             self.draining[request.request_id] = request.block_ids
@@ -343,6 +357,23 @@ class Scheduler:
             error=request.error,
             breakdown=request.breakdown,
         )
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside update() (aborts between steps), cleared."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Raise if the pool's books disagree, or if a block some transfer may still touch is
+        free (it could be handed to another request while bytes land in it)."""
+        self.block_pool.check_integrity()
+        if self.connector is None:
+            return
+        exposed = sorted(
+            b for b in self.connector.blocks_in_use() if self.block_pool.ref_count(b) == 0
+        )
+        if exposed:
+            raise AssertionError(f"blocks free while a transfer may touch them: {exposed[:16]}")
 
     # ------------------------------------------------------------------ observability
 

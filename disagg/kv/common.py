@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,9 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg import auth
 from disagg.config import EngineConfig
 from disagg.engine.kv_cache_manager import cdiv
-from disagg.engine.outputs import KVConnectorOutput
+from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.engine.request import Request, RequestStatus
 from disagg.kv.connector import KVConnector
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
@@ -47,13 +49,21 @@ class HandshakeError(RuntimeError):
 _NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
-def post_json(url: str, body: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-    """Blocking JSON POST for background threads. Raises HandshakeError with the peer's reason."""
+def post_json(
+    url: str, body: dict[str, Any], timeout_s: float = 10.0, *, secret: str = ""
+) -> dict[str, Any]:
+    """Blocking JSON POST for background threads, signed with the cluster secret; the answer
+    must be signed by the peer too. Raises HandshakeError with the peer's reason."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    path = urllib.parse.urlsplit(url).path
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers[auth.SIGNATURE_HEADER] = auth.sign(secret, "POST", path, data)
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+            raw = resp.read()
+            signature = resp.headers.get(auth.SIGNATURE_HEADER)
     except urllib.error.HTTPError as exc:
         try:
             reason = json.loads(exc.read())["error"]["message"]
@@ -62,6 +72,12 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 10.0) -> dict[s
         raise HandshakeError(reason) from exc
     except (OSError, ValueError) as exc:
         raise HandshakeError(f"{url} unreachable: {exc}") from exc
+    if secret and (problem := auth.verify(secret, signature, auth.ANSWER, path, raw)):
+        raise HandshakeError(f"{url} answered without the cluster's signature: {problem}")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise HandshakeError(f"{url} sent no JSON: {exc}") from exc
 
 
 def _model_fingerprint(runner: Any) -> str:
@@ -84,11 +100,13 @@ class ConnectorBase(KVConnector):
         self.host = kv.host
         self.port: int | None = None  # HTTP side channel, set once the server listens
         self._wake = wake or (lambda: None)
+        self.secret = kv.cluster_token  # signs the side channel; authenticates tcp peers
         self.transport = make_transport(
-            kv.transport, self.engine_id, host=kv.host, device=config.device
+            kv.transport, self.engine_id, host=kv.host, device=config.device, secret=self.secret
         )
         self.transport.register(runner.kv_base_addr, runner.num_blocks, runner.block_nbytes)
         self.block_nbytes = runner.block_nbytes
+        self.vocab_size = runner.spec.vocab_size
         self.compat = Compat(
             model=_model_fingerprint(runner),
             dtype=config.dtype,
@@ -101,7 +119,8 @@ class ConnectorBase(KVConnector):
         self._report = KVConnectorOutput()  # filled by any thread, swapped out by the loop
         self._peers: dict[str, Future[str]] = {}  # engine id -> transport peer name (handshake)
         self._handshakes = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")  # FIFO to peers
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")  # notifications
+        self._peer_queues: dict[str, ThreadPoolExecutor] = {}  # peer URL -> its FIFO thread
         self.stats: dict[str, float] = dict.fromkeys(_STAT_NAMES, 0)
         self._stopping = threading.Event()
         self.listen_cap_s = _LISTEN_SLOW_S  # slowest notification poll while something pends
@@ -171,7 +190,7 @@ class ConnectorBase(KVConnector):
 
     def _handshake(self, engine_id: str, host: str, port: int) -> str:
         started = time.monotonic()
-        answer = post_json(f"http://{host}:{port}/kv/handshake", self._hello())
+        answer = post_json(f"http://{host}:{port}/kv/handshake", self._hello(), secret=self.secret)
         if answer.get("engine_id") != engine_id:
             raise HandshakeError(
                 f"{host}:{port} is engine {answer.get('engine_id')!r}, not {engine_id!r} "
@@ -189,6 +208,16 @@ class ConnectorBase(KVConnector):
         self.stats["handshakes"] += 1
         self.stats["handshake_s_total"] += time.monotonic() - started
         return name
+
+    def peer_queue(self, peer_url: str) -> ThreadPoolExecutor:
+        """The FIFO thread for calls to one peer: order kept per peer, and a slow peer never
+        holds up calls to another."""
+        with self._lock:
+            queue = self._peer_queues.get(peer_url)
+            if queue is None:
+                queue = ThreadPoolExecutor(1, thread_name_prefix="kv-peer")
+                self._peer_queues[peer_url] = queue
+            return queue
 
     # ------------------------------------------------------------------ request facts
 
@@ -209,7 +238,8 @@ class ConnectorBase(KVConnector):
         *,
         sent: str | None = None,
         received: str | None = None,
-        failed: tuple[str, str] | None = None,
+        failed: tuple[str, KVFailure] | None = None,
+        settled: str | None = None,
         first_token: tuple[str, int] | None = None,
     ) -> None:
         """Thread-safe: queue a result for the next get_finished() on the engine loop."""
@@ -220,6 +250,8 @@ class ConnectorBase(KVConnector):
                 self._report.finished_recving.add(received)
             if failed is not None:
                 self._report.failed[failed[0]] = failed[1]
+            if settled is not None:
+                self._report.settled.add(settled)
             if first_token is not None:
                 self._report.first_token_ids[first_token[0]] = first_token[1]
         self._wake()
@@ -237,10 +269,19 @@ class ConnectorBase(KVConnector):
         except TransportError:
             log.info("notification to %s not delivered (peer gone)", peer)
 
-    def failure_reason(self, reason: str) -> str:
-        """Per-deployment policy: `recompute` tells the scheduler to prefill locally."""
+    def failure(self, reason: str) -> KVFailure:
+        """A failed handoff under this deployment's policy (`recompute`: prefill locally)."""
         self.stats["transfers_failed"] += 1
-        return f"recompute: {reason}" if self.kv_config.failure_policy == "recompute" else reason
+        return KVFailure(reason, recompute=self.kv_config.failure_policy == "recompute")
+
+    def first_token_or_none(self, value: object) -> int | None:
+        """A first token id from a peer's message, if it is one this model has."""
+        if type(value) is int and 0 <= value < self.vocab_size:
+            return value
+        if value is not None:
+            log.warning("ignoring first_token_id %r from a peer (vocabulary %d)", value,
+                        self.vocab_size)  # fmt: skip
+        return None
 
     def count_transfer(self, num_blocks: int, num_descriptors: int, seconds: float) -> None:
         self.stats["transfers"] += 1
@@ -260,8 +301,13 @@ class ConnectorBase(KVConnector):
                 return  # closed
             for peer, raw in notifs:
                 message = decode_message(raw)
-                if message is not None:
+                if message is None:
+                    continue
+                try:
                     self.on_message(peer, message)
+                except (ValueError, TypeError, KeyError) as exc:  # a malformed field
+                    log.warning("dropped a malformed %r message from %s: %r",
+                                message.get("kind"), peer, exc)  # fmt: skip
             self.on_tick()
             interval = _LISTEN_FAST_S if notifs else min(interval * 2, self.listen_cap_s)
             # Subclasses create what has_pending() reads before ConnectorBase.__init__ runs.
@@ -277,6 +323,8 @@ class ConnectorBase(KVConnector):
         self._stopping.set()
         self._listener.join(timeout=5)
         self._control.shutdown(wait=False, cancel_futures=True)
+        for queue in list(self._peer_queues.values()):
+            queue.shutdown(wait=False, cancel_futures=True)
         self._handshakes.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
 
@@ -296,6 +344,7 @@ _STAT_NAMES = (
     "expired_reservations",
     "registrations_before_ready",
     "registrations_after_ready",
+    "registrations_refused",
 )
 
 

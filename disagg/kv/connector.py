@@ -45,9 +45,10 @@ class KVConnector(abc.ABC):
 
     @abc.abstractmethod
     def request_aborted(self, request: Request) -> bool:
-        """A request in WAITING_FOR_REMOTE_KV or WAITING_FOR_KV_SEND was aborted. Returns True
-        if a transfer touching its blocks may still be in flight: the scheduler then keeps
-        the blocks until get_finished() reports the id (in any set)."""
+        """A request in WAITING_FOR_REMOTE_KV or WAITING_FOR_KV_SEND leaves that state early
+        (aborted, failed, or sent back to prefill locally). Returns True if a transfer
+        touching its blocks may still be in flight: the scheduler then keeps the blocks until
+        get_finished() reports the id in `settled`, and only then reuses them."""
 
     # ------------------------------------------------------------------ worker side
 
@@ -62,6 +63,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def has_pending(self) -> bool:
         """True while any transfer or reservation is outstanding (the loop keeps polling)."""
+
+    def blocks_in_use(self) -> set[int]:
+        """Blocks a transfer touches now or may touch later. Invariant (checked by
+        Scheduler.check_integrity): each is held by a request or by `draining`, never free."""
+        return set()
 
     def needs_loop_poll(self) -> bool:
         """True while the engine loop must poll transfers itself (it then sleeps only briefly

@@ -1,7 +1,9 @@
 """Pull (late binding), as vLLM's default NIXL connector does it.
 
 Prefill side: keep a finished request's blocks under a lease and return their ids and our
-address; free them on the decode side's `read_done` notification or when the lease expires.
+address; free them on the decode side's `read_done` notification (it rides on the READ), on its
+`/kv/release` (no READ will come, or it ended), or when the lease expires. An abort does not end
+the lease: NIXL reads are one-sided, so a READ may be under way whatever P decides.
 Decode side: once blocks are allocated, handshake with P in the background on first contact,
 then build descriptors and post the READ **inline on the engine loop** in `start_load()` (the
 latency tax this mode is measured for), and poll it every step.
@@ -9,18 +11,23 @@ latency tax this mode is measured for), and poll it every step.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
-from disagg.kv.common import ConnectorBase
+from disagg.kv.common import ConnectorBase, HandshakeError, post_json
 from disagg.kv.handshake import encode_message
 from disagg.kv.transport import Op, TransferState, TransportError
 
 __all__ = ["PullConnector"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -29,12 +36,20 @@ class _Load:
     local_ids: list[int]
     remote_ids: list[int]
     remote_request_id: str
+    prefill_url: str | None  # P's side channel (None when the params lacked it)
     peer: Future[str]
     allocated_s: float
     read_by_s: float | None  # after this P's lease may have freed the blocks: do not read
     handle: int | None = None
     posted_s: float | None = None
     num_descriptors: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:  # prefill side
+    block_ids: list[int]
+    deadline: float  # monotonic; the blocks are freed then even if no read_done came
+    is_aborted: bool = False  # freed as `settled`, not `sent`: the request is gone
 
 
 class PullConnector(ConnectorBase):
@@ -44,7 +59,9 @@ class PullConnector(ConnectorBase):
         self._pending: list[_Load] = []  # waiting for a handshake (engine loop only)
         self._in_flight: dict[str, _Load] = {}  # READ posted (engine loop only)
         self._zombies: dict[str, _Load] = {}  # gave up on, but may still land: poll to settle
-        self._leases: dict[str, float] = {}  # prefill side: request id -> deadline (monotonic)
+        # Prefill side: request id -> lease. D may READ the blocks at any time until the lease
+        # ends (read_done or expiry), even after we aborted the request: one-sided reads.
+        self._leases: dict[str, _Lease] = {}
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ scheduler side
@@ -72,6 +89,9 @@ class PullConnector(ConnectorBase):
                 local_ids=block_ids[:num_blocks],
                 remote_ids=remote_ids[:num_blocks],
                 remote_request_id=params.remote_request_id or request.request_id,
+                prefill_url=f"http://{params.remote_host}:{params.remote_port}"
+                if problem is None
+                else None,
                 peer=peer,
                 allocated_s=time.monotonic(),
                 read_by_s=_read_deadline(request.arrival_s, params.lease_s),
@@ -86,8 +106,9 @@ class PullConnector(ConnectorBase):
         if not self.sends_kv(request):
             return False, None
         num_blocks = self.num_prompt_blocks(request)
+        deadline = time.monotonic() + self.kv_config.lease_s
         with self._lock:
-            self._leases[request.request_id] = time.monotonic() + self.kv_config.lease_s
+            self._leases[request.request_id] = _Lease(request.block_ids[:num_blocks], deadline)
         return True, {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
@@ -104,9 +125,15 @@ class PullConnector(ConnectorBase):
     def request_aborted(self, request: Request) -> bool:
         request_id = request.request_id
         with self._lock:
-            self._leases.pop(request_id, None)  # prefill side: a READ never lands in our blocks
+            lease = self._leases.get(request_id)
+            if lease is not None:  # prefill side: D may be reading right now
+                lease.is_aborted = True
+                return True
+        unposted = [load for load in [*self._new, *self._pending] if load.request is request]
         self._new = [load for load in self._new if load.request is not request]
         self._pending = [load for load in self._pending if load.request is not request]
+        for load in unposted:
+            self._release_remote(load)  # no READ will come: P may free its blocks now
         if request_id in self._zombies:
             return True  # timed out but not settled: the blocks wait for it
         load = self._in_flight.pop(request_id, None)
@@ -116,6 +143,7 @@ class PullConnector(ConnectorBase):
             self._zombies[request_id] = load  # report it once settled, then the blocks go
             return True
         self.transport.release(load.handle)
+        self._release_remote(load)
         return False
 
     # ------------------------------------------------------------------ worker side
@@ -158,13 +186,25 @@ class PullConnector(ConnectorBase):
         load.request.breakdown.handoff_setup_s = load.posted_s - load.allocated_s
         self._in_flight[request_id] = load
 
-    def _fail(self, load: _Load, reason: str) -> None:
-        self.report(failed=(load.request.request_id, self.failure_reason(reason)))
-        if load.handle is None and load.peer.done() and load.peer.exception() is None:
-            # No READ is in flight and P is reachable: let it free its blocks now rather
-            # than at the end of its lease.
-            message = encode_message("read_done", request_id=load.remote_request_id)
-            self._control.submit(self.notify_quietly, load.peer.result(), message)
+    def _fail(self, load: _Load, reason: str, *, is_read_in_flight: bool = False) -> None:
+        self.report(failed=(load.request.request_id, self.failure(reason)))
+        if not is_read_in_flight:
+            self._release_remote(load)
+
+    def _release_remote(self, load: _Load) -> None:
+        """No READ of P's blocks for this load is in flight or will be: tell P over its side
+        channel (no transport peer needed, so it works when the handshake failed), so it
+        frees them now rather than at the end of its lease."""
+        if load.prefill_url is None:
+            return
+        url, body = f"{load.prefill_url}/kv/release", {"request_id": load.remote_request_id}
+        self.peer_queue(load.prefill_url).submit(self._post_quietly, url, body)
+
+    def _post_quietly(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            post_json(url, body, timeout_s=5.0, secret=self.secret)
+        except HandshakeError as exc:  # P gone: its lease covers what this would have freed
+            log.info("release at %s not delivered: %s", url, exc)
 
     def get_finished(self) -> KVConnectorOutput:
         now = time.monotonic()
@@ -181,7 +221,8 @@ class PullConnector(ConnectorBase):
             if now - load.posted_s > self.kv_config.transfer_timeout_s:
                 del self._in_flight[request_id]
                 self._zombies[request_id] = load  # blocks stay held until it settles
-                self._fail(load, f"KV read timed out after {self.kv_config.transfer_timeout_s}s")
+                timeout = self.kv_config.transfer_timeout_s
+                self._fail(load, f"KV read timed out after {timeout}s", is_read_in_flight=True)
             return
         del self._in_flight[request_id]
         if state is TransferState.ERR:
@@ -201,16 +242,32 @@ class PullConnector(ConnectorBase):
             if self.transport.poll(load.handle) is not TransferState.PROC:
                 del self._zombies[request_id]
                 self.transport.release(load.handle)
-                self.report(failed=(request_id, "settled"))  # frees the drained blocks
+                self.report(settled=request_id)  # frees the drained blocks
+                self._release_remote(load)
 
     def _expire_leases(self, now: float) -> None:
         with self._lock:
-            expired = [rid for rid, deadline in self._leases.items() if deadline < now]
-            for request_id in expired:
-                del self._leases[request_id]
+            expired = [rid for rid, lease in self._leases.items() if lease.deadline < now]
         for request_id in expired:
             self.stats["expired_leases"] += 1
+            self._end_lease(request_id)
+
+    def _end_lease(self, request_id: str) -> None:
+        """No READ of these blocks can come any more: free them (any thread)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return
+        if lease.is_aborted:
+            self.report(settled=request_id)
+        else:
             self.report(sent=request_id)
+
+    def blocks_in_use(self) -> set[int]:
+        with self._lock:
+            leased = {b for lease in self._leases.values() for b in lease.block_ids}
+        loads = [*self._new, *self._pending, *self._in_flight.values(), *self._zombies.values()]
+        return leased | {b for load in loads for b in load.local_ids}
 
     def needs_loop_poll(self) -> bool:
         return bool(self._pending or self._in_flight or self._zombies)
@@ -220,14 +277,22 @@ class PullConnector(ConnectorBase):
 
     # ------------------------------------------------------------------ listener thread
 
+    def http_routes(self) -> list[web.RouteDef]:
+        return [*super().http_routes(), web.post("/kv/release", self._handle_release)]
+
+    async def _handle_release(self, request: web.Request) -> web.Response:
+        """Prefill side: a decode instance will not read (or has stopped reading) a lease."""
+        try:
+            request_id = str((await request.json())["request_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": {"message": f"bad release: {exc}"}}, status=400)
+        self._end_lease(request_id)
+        return web.json_response({"request_id": request_id})
+
     def on_message(self, peer: str, message: dict[str, Any]) -> None:
         if message.get("kind") != "read_done":
             return
-        request_id = str(message.get("request_id"))
-        with self._lock:
-            known = self._leases.pop(request_id, None) is not None
-        if known:
-            self.report(sent=request_id)
+        self._end_lease(str(message.get("request_id")))
 
 
 _LEASE_MARGIN_S = 1.0  # covers the router hop between P's answer and our arrival

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg.engine.outputs import KVConnectorOutput
+from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.engine.request import Request
 from disagg.kv.common import ConnectorBase, HandshakeError, post_json
 from disagg.kv.push_writer import PushWriter
@@ -76,7 +76,7 @@ class PushConnector(ConnectorBase):
         )
         if not (tid and engine and host and port):
             reason = "push needs transfer_id, remote_engine_id, remote_host and remote_port"
-            self.report(failed=(request.request_id, reason))
+            self.report(failed=(request.request_id, KVFailure(reason)))
             return
         num_blocks = self.num_prompt_blocks(request)
         reservation = _Reservation(
@@ -90,41 +90,49 @@ class PushConnector(ConnectorBase):
             self._reservations[tid] = reservation
             self._transfer_of[request.request_id] = tid
         peer = self.ensure_peer(engine, host, port)
-        self._control.submit(self._register, reservation, peer)
+        # One FIFO per prefill instance: its cancel follows its registration, and a slow peer
+        # delays only the registrations addressed to it.
+        self.peer_queue(reservation.prefill_url).submit(self._register, reservation, peer)
 
     def _register(self, reservation: _Reservation, peer: Any) -> None:
-        """Control thread: tell P where to write. Failures fail the request by policy."""
-        request_id = reservation.request.request_id
+        """Peer queue thread: tell P where to write. Failures fail the request by policy."""
         delay = self.kv_config.register_delay_s
         if delay:
             time.sleep(delay)  # fault injection: a slow decode instance
         try:
             peer.result(timeout=self.kv_config.reservation_timeout_s)
+        except (HandshakeError, TimeoutError) as exc:
+            self._registration_failed(reservation, f"KV handshake failed: {exc}")
+            return
+        with self._lock:
+            if reservation.state != "active":
+                return  # gave up meanwhile: registering now would invite a write nobody awaits
+        try:
             post_json(
                 f"{reservation.prefill_url}/kv/register",
                 {
                     "transfer_id": reservation.transfer_id,
                     "engine_id": self.engine_id,
-                    "request_id": request_id,
+                    "request_id": reservation.request.request_id,
                     "block_ids": reservation.local_ids,
                     # P keeps the registration as long as we keep the reservation, however
                     # long its own queue and prefill take.
                     "ttl_s": self.kv_config.reservation_timeout_s,
                 },
+                secret=self.secret,
             )
-        except (HandshakeError, TimeoutError) as exc:
-            with self._lock:
-                active = self._reservations.pop(reservation.transfer_id, None) is not None
-                self._transfer_of.pop(request_id, None)
-            if active:  # nothing was registered, so nothing can land: fail cleanly
-                self.report(
-                    failed=(
-                        request_id,
-                        self.failure_reason(
-                            f"KV registration with the prefill instance failed: {exc}"
-                        ),
-                    )
-                )
+        except HandshakeError as exc:
+            # P may have taken the registration before the answer was lost, so a write may
+            # still come: fail the request, and let the cancel settle the blocks.
+            self._registration_failed(reservation, f"KV registration failed: {exc}")
+
+    def _registration_failed(self, reservation: _Reservation, reason: str) -> None:
+        with self._lock:
+            is_active = reservation.state == "active"
+            if is_active:
+                reservation.state = "timed_out"  # the scheduler aborts it, and that cancels
+        if is_active:
+            self.report(failed=(reservation.request.request_id, self.failure(reason)))
 
     def _on_write_done(self, message: dict[str, Any]) -> None:
         tid = str(message.get("transfer_id"))
@@ -143,10 +151,10 @@ class PushConnector(ConnectorBase):
         self.count_transfer(
             len(reservation.local_ids), breakdown.num_descriptors, breakdown.transfer_s
         )
-        first = message.get("first_token_id")
+        first = self.first_token_or_none(message.get("first_token_id"))
         self.report(
             received=request.request_id,
-            first_token=(request.request_id, int(first)) if first is not None else None,
+            first_token=(request.request_id, first) if first is not None else None,
         )
 
     def _on_write_failed(self, message: dict[str, Any]) -> None:
@@ -158,7 +166,7 @@ class PushConnector(ConnectorBase):
             del self._reservations[tid]  # P only says so once its write has settled
             self._transfer_of.pop(reservation.request.request_id, None)
         reason = f"prefill instance could not write the KV: {message.get('reason')}"
-        self.report(failed=(reservation.request.request_id, self.failure_reason(reason)))
+        self.report(failed=(reservation.request.request_id, self.failure(reason)))
 
     def _expire_reservations(self, now: float) -> None:
         with self._lock:
@@ -171,22 +179,23 @@ class PushConnector(ConnectorBase):
             self.stats["expired_reservations"] += 1
             timeout = self.kv_config.reservation_timeout_s
             reason = f"no KV from the prefill instance within {timeout}s"
-            self.report(failed=(reservation.request.request_id, self.failure_reason(reason)))
+            self.report(failed=(reservation.request.request_id, self.failure(reason)))
 
     def _cancel(self, reservation: _Reservation) -> None:
-        """Control thread (after our registration, FIFO): make sure P will not write, then
-        let the scheduler free the blocks."""
+        """Peer queue thread (after our registration, FIFO): make sure P will not write,
+        then let the scheduler free the blocks."""
         try:
             post_json(
                 f"{reservation.prefill_url}/kv/cancel",
                 {"transfer_id": reservation.transfer_id},
                 timeout_s=self.kv_config.transfer_timeout_s + 5,
+                secret=self.secret,
             )
         except HandshakeError:
             pass  # P is gone (nothing can land) or refused: either way no write will come
         with self._lock:
             self._reservations.pop(reservation.transfer_id, None)
-        self.report(failed=(reservation.request.request_id, "settled"))
+        self.report(settled=reservation.request.request_id)
 
     # ================================================================== prefill side
 
@@ -199,8 +208,9 @@ class PushConnector(ConnectorBase):
             return False, None
         num_blocks = self.num_prompt_blocks(request)
         first_token = request.output_token_ids[0]
+        decode_engine = params.remote_engine_id if params else None
         self._writer.prefill_done(
-            tid, request.request_id, request.block_ids[:num_blocks], first_token
+            tid, request.request_id, request.block_ids[:num_blocks], first_token, decode_engine
         )
         return True, {
             "transfer_id": tid,
@@ -255,8 +265,14 @@ class PushConnector(ConnectorBase):
             if reservation is None:
                 return False  # already settled (done, failed, or never registered)
             reservation.state = "cancelling"
-        self._control.submit(self._cancel, reservation)
+        self.peer_queue(reservation.prefill_url).submit(self._cancel, reservation)
         return True
+
+    def blocks_in_use(self) -> set[int]:
+        if self._writer is not None:
+            return self._writer.blocks_in_use()
+        with self._lock:
+            return {b for r in self._reservations.values() for b in r.local_ids}
 
     def has_pending(self) -> bool:
         if self._writer is not None:

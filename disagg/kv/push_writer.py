@@ -30,6 +30,7 @@ class _Ready:  # prefill done, blocks held
     block_ids: list[int]
     first_token_id: int
     ready_s: float
+    decode_engine_id: str | None  # the decode instance the router chose; None = any
 
 
 @dataclass(slots=True, eq=False)
@@ -46,7 +47,7 @@ class _Write:  # a posted WRITE
     transfer_id: str
     peer: str
     handle: int | None  # None while the writer is posting it
-    num_blocks: int
+    block_ids: list[int]  # ours, read by the WRITE
     posted_s: float
     aborted: bool = False
     waiters: list[Callable[[], None]] = field(default_factory=list)  # cancels awaiting settle
@@ -68,11 +69,18 @@ class PushWriter:
     # ------------------------------------------------------------------ inputs
 
     def prefill_done(
-        self, tid: str, request_id: str, block_ids: list[int], first_token_id: int
+        self,
+        tid: str,
+        request_id: str,
+        block_ids: list[int],
+        first_token_id: int,
+        decode_engine_id: str | None,
     ) -> None:
-        """Engine loop: the prefill finished; its blocks stay held until the write settles."""
+        """Engine loop: the prefill finished; its blocks stay held until the write settles.
+        Only `decode_engine_id` (named by the router) may receive this transfer's KV."""
         with self._lock:
-            self._ready[tid] = _Ready(request_id, block_ids, first_token_id, time.monotonic())
+            now = time.monotonic()
+            self._ready[tid] = _Ready(request_id, block_ids, first_token_id, now, decode_engine_id)
             self._transfer_of[request_id] = tid
             key = "registrations_before_ready" if tid in self._regs else "registrations_after_ready"
             self._base.stats[key] += 1
@@ -119,6 +127,13 @@ class PushWriter:
         with self._lock:
             return bool(self._ready or self._writes)
 
+    def blocks_in_use(self) -> set[int]:
+        """Our blocks that a WRITE reads now or will (the prefill side's are held as
+        WAITING_FOR_KV_SEND, or in `draining` once aborted)."""
+        with self._lock:
+            ready = [b for r in self._ready.values() for b in r.block_ids]
+            return {*ready, *(b for w in self._writes.values() for b in w.block_ids)}
+
     def pending(self) -> dict[str, int]:
         with self._lock:
             return {"ready": len(self._ready), "registrations": len(self._regs),
@@ -145,8 +160,15 @@ class PushWriter:
         visible in `_writes` before the lock drops, so a cancel waits for it to settle."""
         jobs = []
         for tid in [t for t in self._ready if t in self._regs]:
+            expected = self._ready[tid].decode_engine_id
+            if expected is not None and self._regs[tid].peer != expected:
+                # Not the instance the router chose: a stale or forged registration. Drop it
+                # and keep waiting for the right one (or the lease).
+                self._base.stats["registrations_refused"] += 1
+                del self._regs[tid]
+                continue
             ready, reg = self._ready.pop(tid), self._regs.pop(tid)
-            write = _Write(ready.request_id, tid, reg.peer, None, len(ready.block_ids), 0.0)
+            write = _Write(ready.request_id, tid, reg.peer, None, ready.block_ids, 0.0)
             self._writes[tid] = write
             jobs.append((write, ready, reg))
         return jobs
@@ -192,7 +214,8 @@ class PushWriter:
             transport.release(write.handle)
             if state is TransferState.DONE:
                 seconds = time.monotonic() - write.posted_s
-                self._base.count_transfer(write.num_blocks, write.num_blocks, seconds)
+                num_blocks = len(write.block_ids)
+                self._base.count_transfer(num_blocks, num_blocks, seconds)
             self._settle(write, ok=state is TransferState.DONE, reason="transfer error")
 
     def _settle(self, write: _Write, *, ok: bool, reason: str) -> None:
@@ -205,7 +228,10 @@ class PushWriter:
             message = encode_message("write_failed", transfer_id=write.transfer_id, reason=reason)
             # A decode instance that is gone has its reservation deadline to cover it.
             self._base.notify_quietly(write.peer, message)
-        self._base.report(sent=write.request_id)  # P's blocks are free either way
+        if write.aborted:
+            self._base.report(settled=write.request_id)  # the blocks wait in `draining`
+        else:
+            self._base.report(sent=write.request_id)  # P's blocks are free either way
         for wake in waiters:
             wake()
 

@@ -9,6 +9,7 @@ they arrive.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from disagg import auth
 from disagg.config import RouterConfig
 from disagg.router.call import Call, kv_params, parse_call, prefill_body, push_params
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
@@ -104,13 +106,40 @@ class Router:
 
     async def _dispatch(self, call: Call) -> Relayed:
         try:
-            if self.cfg.mode == "pull":
-                return await self._pull(call)
-            if self.cfg.mode == "push":
-                return await self._push(call)
-            return await self._aggregated(call)
+            try:
+                if self.cfg.mode == "pull":
+                    return await self._pull(call)
+                if self.cfg.mode == "push":
+                    return await self._push(call)
+                return await self._aggregated(call)
+            except RouteError as exc:
+                if not self._should_recompute(exc):
+                    raise
+                return await self._recompute_on_decode(call, exc)
         except NoHealthyInstanceError as exc:
             raise RouteError.of(503, str(exc)) from exc
+
+    def _should_recompute(self, exc: RouteError) -> bool:
+        """Policy `recompute`: a prefill instance that died or hung (5xx, nothing streamed yet)
+        costs the client its disaggregation, not its answer. A 4xx is the request's fault."""
+        return (
+            self.cfg.failure_policy == "recompute"
+            and self.cfg.mode != "aggregated"
+            and exc.leg == "prefill"
+            and exc.status >= 500
+        )
+
+    async def _recompute_on_decode(self, call: Call, cause: RouteError) -> Relayed:
+        """The whole request to a decode instance, which prefills it itself. A fresh id: the
+        abandoned legs' ids may still be held while their aborts land."""
+        logger.warning("request %s: prefill leg failed (%s); prefilling on a decode instance",
+                       call.request_id, cause)  # fmt: skip
+        self.metrics.recomputed.inc()
+        retry = call.retry(f"{call.request_id}-local")
+        inst = self.pool.pick("decode")
+        started_s = time.monotonic()
+        resp = await self._post(inst, retry, retry.body, "decode")
+        return await self._respond(retry, resp, "decode", started_s, None)
 
     async def models(self, _request: web.Request) -> web.Response:
         for inst in [*self.pool.decode, *self.pool.prefill]:
@@ -151,6 +180,9 @@ class Router:
 
     async def _pull(self, call: Call) -> Relayed:
         """P first; D is chosen only once P is done, from load read now (late binding)."""
+        if not self.pool.has_healthy("decode"):
+            # Prefilling now would hold P's blocks for a handoff nobody can take.
+            raise NoHealthyInstanceError("no healthy decode instance")
         prefill = self.pool.pick("prefill")
         params = kv_params(do_remote_decode=True, connector="pull")
         answer = await self._prefill(prefill, call, params)
@@ -175,9 +207,11 @@ class Router:
     async def _push(self, call: Call) -> Relayed:
         """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
-        info = await self._kv_identity(prefill)
+        info = await self._kv_identity(prefill, "prefill")
+        d_info = await self._kv_identity(decode, "decode")
+        assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable
         p_params, d_params = push_params(
-            uuid.uuid4().hex, info.engine_id, info.kv_host, info.kv_port
+            uuid.uuid4().hex, info.engine_id, info.kv_host, info.kv_port, d_info.engine_id
         )
         started_s = time.monotonic()
         p_task = asyncio.create_task(self._prefill(prefill, call, p_params))
@@ -249,13 +283,13 @@ class Router:
 
     # ---- legs -----------------------------------------------------------------------------
 
-    async def _kv_identity(self, inst: Instance) -> KVInfo:
+    async def _kv_identity(self, inst: Instance, leg: Leg) -> KVInfo:
         try:
             info = await self.pool.get_kv_info(inst)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise RouteError.of(502, f"no kv_info from {inst.url}: {exc!r}", leg="prefill") from exc
+            raise RouteError.of(502, f"no kv_info from {inst.url}: {exc!r}", leg=leg) from exc
         if not info.is_addressable:
-            raise RouteError.of(502, f"{inst.url} has no KV address for push", leg="prefill")
+            raise RouteError.of(502, f"{inst.url} has no KV address for push", leg=leg)
         return info
 
     async def _prefill(self, inst: Instance, call: Call, params: dict[str, Any]) -> dict[str, Any]:
@@ -282,8 +316,10 @@ class Router:
     ) -> aiohttp.ClientResponse:
         """Send one leg; returns once the instance's headers arrive."""
         url = f"{inst.url}{call.path}"
+        data = json.dumps(body).encode()
+        headers = {**call.upstream_headers, **self._signature(call.path, data)}
         try:
-            return await self.session.post(url, json=body, headers=call.upstream_headers)
+            return await self.session.post(url, data=data, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             self.pool.mark_unhealthy(inst, repr(exc))
             raise RouteError.of(502, f"cannot reach {leg} instance {inst.url}", leg=leg) from exc
@@ -298,13 +334,23 @@ class Router:
 
     async def _post_abort(self, inst: Instance, request_id: str) -> None:
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        data = json.dumps({"request_id": request_id}).encode()
+        headers = self._signature("/v1/abort", data)
         try:
             async with self.session.post(
-                f"{inst.url}/v1/abort", json={"request_id": request_id}, timeout=timeout
+                f"{inst.url}/v1/abort", data=data, headers=headers, timeout=timeout
             ) as resp:
                 logger.info("abort %s on %s: %s", request_id, inst.url, resp.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("abort %s on %s failed: %r", request_id, inst.url, exc)
+
+    def _signature(self, path: str, data: bytes) -> dict[str, str]:
+        """Headers that make a leg a cluster call: instances accept kv_transfer_params and
+        aborts only when signed with the cluster token."""
+        headers = {"Content-Type": "application/json"}
+        if self.cfg.cluster_token:
+            headers[auth.SIGNATURE_HEADER] = auth.sign(self.cfg.cluster_token, "POST", path, data)
+        return headers
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)
@@ -356,11 +402,15 @@ def _consume(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def make_app(cfg: RouterConfig) -> web.Application:
+def make_app(cfg: RouterConfig, *, client_max_size: int | None = None) -> web.Application:
     """The router as an aiohttp app; serve it with `start_server` (it sets handler cancellation
-    so a client disconnect reaches the legs)."""
+    so a client disconnect reaches the legs). Bodies over `client_max_size` bytes (default:
+    cfg.max_request_bytes) get a 413; with cfg.api_key, the OpenAI API needs it as a bearer."""
     router = Router(cfg)
-    app = web.Application()
+    middlewares = [_error_middleware, _api_key_middleware(cfg.api_key)]
+    app = web.Application(
+        middlewares=middlewares, client_max_size=client_max_size or cfg.max_request_bytes
+    )
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
     app.router.add_post("/v1/completions", router.completions)
@@ -383,3 +433,43 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[web.
         raise
     bound_port = port or int(runner.addresses[0][1])
     return runner, bound_port
+
+
+@web.middleware
+async def _error_middleware(
+    request: web.Request, handler: aiohttp.typedefs.Handler
+) -> web.StreamResponse:
+    """Every router error leaves as JSON in the OpenAI shape, aiohttp's own 404/405/413 too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error_response(exc)
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return RouteError.of(500, "internal router error").to_response()
+
+
+def _api_key_middleware(api_key: str) -> Any:
+    @web.middleware
+    async def check_api_key(
+        request: web.Request, handler: aiohttp.typedefs.Handler
+    ) -> web.StreamResponse:
+        if api_key and request.path.startswith("/v1/"):
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), api_key):
+                message = "invalid or missing API key (Authorization: Bearer ...)"
+                return RouteError.of(401, message).to_response()
+        return await handler(request)
+
+    return check_api_key
+
+
+def _http_error_response(exc: web.HTTPException) -> web.Response:
+    """aiohttp's plain-text error as an OpenAI error; 413 keeps its text (it names the limit)."""
+    message = exc.text if exc.status == 413 and exc.text else exc.reason
+    response = RouteError.of(exc.status, message).to_response()
+    if allow := exc.headers.get("Allow"):
+        response.headers["Allow"] = allow
+    return response

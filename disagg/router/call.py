@@ -6,7 +6,6 @@ streamed), what `kv_transfer_params` each leg carries, and the checks a body mus
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from aiohttp import web
 
 from disagg.protocol import KVTransferParams
 from disagg.router.relay import RouteError
+from disagg.server.openai_api import APIError, parse_json_body
 
 __all__ = ["Call", "kv_params", "parse_call", "prefill_body", "push_params"]
 
@@ -33,6 +33,12 @@ class Call:
     def body_with(self, params: dict[str, Any]) -> dict[str, Any]:
         return {**self.body, "kv_transfer_params": params}
 
+    def retry(self, request_id: str) -> Call:
+        """The same client request under a new id (the legs of the first try may still hold
+        the old one while their aborts land)."""
+        headers = {**self.upstream_headers, "X-Request-Id": request_id}
+        return Call(self.request, self.path, self.body, request_id, headers, self.started_s)
+
 
 def kv_params(**values: Any) -> dict[str, Any]:
     """`kv_transfer_params` for a leg, named as KVTransferParams names them; unset flags omitted."""
@@ -40,11 +46,17 @@ def kv_params(**values: Any) -> dict[str, Any]:
 
 
 def push_params(
-    transfer_id: str, engine_id: str, kv_host: str, kv_port: int
+    transfer_id: str, engine_id: str, kv_host: str, kv_port: int, decode_engine_id: str | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(P's, D's) `kv_transfer_params` for one push handoff: both keyed by `transfer_id`; D is
-    told which prefill instance (engine id and KV side channel) will write into its blocks."""
-    p_params = kv_params(do_remote_decode=True, connector="push", transfer_id=transfer_id)
+    told which prefill instance (engine id and KV side channel) will write into its blocks,
+    and P which decode instance alone may register blocks for it."""
+    p_params = kv_params(
+        do_remote_decode=True,
+        connector="push",
+        transfer_id=transfer_id,
+        remote_engine_id=decode_engine_id,
+    )
     d_params = kv_params(
         do_remote_prefill=True,
         connector="push",
@@ -66,13 +78,18 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
 
 async def parse_call(request: web.Request, request_id: str) -> Call:
     try:
-        body = json.loads(await request.read())
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise RouteError.of(400, f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RouteError.of(400, "request body must be a JSON object")
+        body = parse_json_body(await request.read())
+    except APIError as exc:  # not JSON, not an object, too deep, lone surrogate, 1e309
+        raise RouteError.of(exc.status, exc.message) from exc
     if not isinstance(body.get("stream", False), bool):
         raise RouteError.of(400, "stream must be a boolean")
+    if "kv_transfer_params" in body:
+        # They name blocks and peers: only the router sets them, on the legs it sends.
+        raise RouteError.of(
+            400,
+            "kv_transfer_params is set by the router, not by clients",
+            param="kv_transfer_params",
+        )
     headers = {"X-Request-Id": request_id}
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]

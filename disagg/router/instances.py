@@ -124,6 +124,9 @@ class InstancePool:
         pools = [self.decode] if self.cfg.mode == "aggregated" else [self.prefill, self.decode]
         return all(any(inst.is_healthy for inst in pool) for pool in pools)
 
+    def has_healthy(self, pool: PoolName) -> bool:
+        return any(inst.is_healthy for inst in (self.prefill if pool == "prefill" else self.decode))
+
     def pick(self, pool: PoolName) -> Instance:
         """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy."""
         candidates = self.prefill if pool == "prefill" else self.decode

@@ -12,7 +12,15 @@ import signal
 import sys
 from typing import get_args
 
-from disagg.config import PolicyName, RouterConfig, RouterMode, field_help
+from disagg.config import (
+    CLUSTER_TOKEN_ENV,
+    FailurePolicy,
+    PolicyName,
+    RouterConfig,
+    RouterMode,
+    env_cluster_token,
+    field_help,
+)
 from disagg.router.app import make_app, start_server
 from disagg.router.instances import normalize_url
 
@@ -45,6 +53,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-poll-interval-s", type=float, default=defaults["load_poll_interval_s"]
     )
     parser.add_argument("--request-timeout-s", type=float, default=defaults["request_timeout_s"])
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="clients must send 'Authorization: Bearer KEY' (default: open)",
+    )
+    parser.add_argument(
+        "--cluster-token",
+        default="",
+        help=f"the cluster's shared secret (default: ${CLUSTER_TOKEN_ENV}); needed by pull/push",
+    )
+    parser.add_argument(
+        "--failure-policy",
+        choices=get_args(FailurePolicy),
+        default=defaults["failure_policy"],
+        help="recompute: a request whose prefill instance fails is prefilled on a decode instance",
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=defaults["max_request_bytes"],
+        help="larger request bodies get HTTP 413",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
 
 
@@ -59,6 +87,10 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         load_poll_interval_s=args.load_poll_interval_s,
         request_timeout_s=args.request_timeout_s,
+        api_key=args.api_key,
+        cluster_token=args.cluster_token or env_cluster_token(),
+        failure_policy=args.failure_policy,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

@@ -22,6 +22,11 @@ class RouterMetrics:
             ["leg"],
             registry=self.registry,
         )
+        self.recomputed = Counter(
+            "disagg_router_recomputed",
+            "Requests whose prefill leg failed and were prefilled on a decode instance.",
+            registry=self.registry,
+        )
         self.first_byte_seconds = Histogram(
             "disagg_router_time_to_first_byte_seconds",
             "Client request arrival -> first response byte written (router-side TTFT).",

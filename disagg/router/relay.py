@@ -40,9 +40,10 @@ _BREAKDOWN_FIELDS = frozenset(f.name for f in fields(TTFTBreakdown))
 _DATA = b"data: "
 
 
-def error_object(status: int, message: str) -> dict[str, Any]:
+def error_object(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class RouteError(Exception):
@@ -55,8 +56,10 @@ class RouteError(Exception):
         self.leg = leg  # which leg failed; None = the router refused the request itself
 
     @classmethod
-    def of(cls, status: int, message: str, *, leg: Leg | None = None) -> RouteError:
-        return cls(status, json.dumps(error_object(status, message)).encode(), leg=leg)
+    def of(
+        cls, status: int, message: str, *, leg: Leg | None = None, param: str | None = None
+    ) -> RouteError:
+        return cls(status, json.dumps(error_object(status, message, param)).encode(), leg=leg)
 
     @classmethod
     def from_upstream(cls, status: int, body: bytes, content_type: str, leg: Leg) -> RouteError:

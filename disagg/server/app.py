@@ -41,13 +41,18 @@ from disagg.server.openai_responses import (
     usage_dict,
 )
 from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.server.security import is_cluster_call, make_auth_middleware
 from disagg.tokenizer import Tokenizer
 
 __all__ = ["make_app", "start_server"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_BODY_BYTES = 64 * 1024 * 1024  # long token-id prompts; aiohttp's default is 1 MiB
+_MAX_BODY_BYTES = 16 * 1024 * 1024  # long token-id prompts; aiohttp's default is 1 MiB
+# Bodies and prompts above these sizes are parsed / tokenized on a worker thread: a multi-MB
+# JSON parse on the event loop stalled /health long enough for the router to drop us.
+_INLINE_PARSE_BYTES = 256 * 1024
+_INLINE_TOKENIZE_CHARS = 64 * 1024
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Submit = Callable[[], AsyncIterator[RequestOutput]]
@@ -55,12 +60,25 @@ Emit = Callable[[TextDelta], Awaitable[None]]
 
 
 def make_app(
-    engine: EngineClient, tokenizer: Tokenizer, *, extra_routes: Sequence[web.RouteDef] = ()
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    *,
+    extra_routes: Sequence[web.RouteDef] = (),
+    api_key: str = "",
+    cluster_token: str = "",
+    max_request_bytes: int = _MAX_BODY_BYTES,
 ) -> web.Application:
     """The instance's app. Serve it with `start_server` (or any runner created with
-    handler_cancellation=True, so a client that goes away cancels its handler)."""
+    handler_cancellation=True, so a client that goes away cancels its handler).
+
+    `cluster_token` opens the internal routes to calls signed with it (without one they are
+    off); `api_key` closes the OpenAI API to clients without it. Bodies over
+    `max_request_bytes` are refused with 413 before they are read whole."""
     server = _Server(engine, tokenizer)
-    app = web.Application(middlewares=[_error_middleware], client_max_size=_MAX_BODY_BYTES)
+    auth_middleware = make_auth_middleware(api_key=api_key, cluster_token=cluster_token)
+    app = web.Application(
+        middlewares=[_error_middleware, auth_middleware], client_max_size=max_request_bytes
+    )
     app.add_routes(
         [
             web.post("/v1/completions", server.completions),
@@ -186,12 +204,22 @@ class _Server:
         self, request: web.Request, parse: Callable[[Mapping[str, Any]], GenerateRequest]
     ) -> web.StreamResponse:
         arrival_s = time.monotonic()
-        req = parse(parse_json_body(await request.read()))
+        req = parse(await _parse_body(await request.read()))
+        if req.kv_transfer_params is not None and not is_cluster_call(request):
+            raise APIError(
+                403,
+                "kv_transfer_params may only be set by the router (a cluster-signed call)",
+                code="forbidden",
+                param="kv_transfer_params",
+            )
         if req.model is not None and req.model != self._engine.model_name:
             raise APIError(
                 404, f"model {req.model!r} does not exist", code="model_not_found", param="model"
             )
-        prompt_ids = self._prompt_ids(req)
+        if req.prompt is not None and len(req.prompt) > _INLINE_TOKENIZE_CHARS:
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        else:
+            prompt_ids = self._prompt_ids(req)
         max_tokens = resolve_max_tokens(req, len(prompt_ids), self._engine.max_model_len)
         sampling = make_sampling_params(req, max_tokens)
         meta = ResponseMeta(_request_id(request), self._engine.model_name, int(time.time()))
@@ -354,6 +382,12 @@ class _Server:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _parse_body(raw: bytes) -> dict[str, Any]:
+    if len(raw) > _INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json_body, raw)
+    return parse_json_body(raw)
 
 
 def _request_id(request: web.Request) -> str:

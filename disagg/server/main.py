@@ -22,6 +22,7 @@ from disagg.config import (
     KVTransferConfig,
     SchedulerConfig,
     ServerConfig,
+    env_cluster_token,
 )
 
 __all__ = ["add_arguments", "build_configs", "run"]
@@ -32,6 +33,8 @@ _FLAGS: tuple[tuple[type, str, str], ...] = (
     (EngineConfig, "served_model_name", "--served-model-name"),
     (ServerConfig, "host", "--host"),
     (ServerConfig, "port", "--port"),
+    (ServerConfig, "api_key", "--api-key"),
+    (ServerConfig, "max_request_bytes", "--max-request-bytes"),
     (EngineConfig, "device", "--device"),
     (EngineConfig, "dtype", "--dtype"),
     (EngineConfig, "seed", "--seed"),
@@ -52,6 +55,7 @@ _FLAGS: tuple[tuple[type, str, str], ...] = (
     (KVTransferConfig, "reservation_timeout_s", "--reservation-timeout-s"),
     (KVTransferConfig, "transfer_timeout_s", "--transfer-timeout-s"),
     (KVTransferConfig, "failure_policy", "--failure-policy"),
+    (KVTransferConfig, "cluster_token", "--cluster-token"),
 )
 
 
@@ -88,6 +92,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     values: dict[type, dict[str, Any]] = {}
     for cls, name, _ in _FLAGS:
         values.setdefault(cls, {})[name] = getattr(args, _dest(cls, name))
+    kv_values = values[KVTransferConfig]
+    kv_values["cluster_token"] = kv_values["cluster_token"] or env_cluster_token()
     engine = EngineConfig(
         **values[EngineConfig],
         scheduler=SchedulerConfig(**values[SchedulerConfig]),
@@ -121,11 +127,18 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
 
     stop = _stop_event()  # first: a signal during the (long) engine start still shuts down cleanly
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = AsyncEngine(config, model_dir)
+    engine = AsyncEngine(config, model_dir, exit_on_death=True)
     await engine.start()
     try:
         extra_routes = engine.extra_routes() if hasattr(engine, "extra_routes") else ()
-        app = make_app(engine, tokenizer, extra_routes=extra_routes)
+        app = make_app(
+            engine,
+            tokenizer,
+            extra_routes=extra_routes,
+            api_key=server.api_key,
+            cluster_token=config.kv_transfer.cluster_token,
+            max_request_bytes=server.max_request_bytes,
+        )
         runner, port = await start_server(app, server.host, server.port)
         engine.set_address(server.host, port)  # peers reach the KV side channel here
         try:

@@ -27,7 +27,10 @@ from typing import Any
 
 import pytest
 
+from disagg import auth
+
 __all__ = [
+    "CLUSTER_TOKEN",
     "Answer",
     "Cluster",
     "OpenStream",
@@ -56,6 +59,8 @@ _READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _JSON_HEADERS = {"Content-Type": "application/json"}
+# The cluster secret every child gets (in its environment, as `disagg up` hands it over).
+CLUSTER_TOKEN = "e2e-cluster-token-not-a-secret"
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -151,15 +156,33 @@ class Proc:
         return float(found[0].split()[-1]) if found else 0.0
 
 
-def _request(url: str, method: str, path: str, body: Any, *, timeout_s: float) -> tuple[int, bytes]:
+def _request(
+    url: str,
+    method: str,
+    path: str,
+    body: Any,
+    *,
+    timeout_s: float,
+    signed: bool = False,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
     conn = _connect(url, timeout_s)
     try:
         data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers=_JSON_HEADERS)
+        all_headers = {**_headers(method, path, data, signed), **(headers or {})}
+        conn.request(method, path, body=data, headers=all_headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
         conn.close()
+
+
+def _headers(method: str, path: str, data: bytes | None, signed: bool) -> dict[str, str]:
+    """JSON headers; `signed`: as the router sends a leg (a cluster call)."""
+    if not signed:
+        return _JSON_HEADERS
+    signature = auth.sign(CLUSTER_TOKEN, method, path, data or b"")
+    return {**_JSON_HEADERS, auth.SIGNATURE_HEADER: signature}
 
 
 def _connect(url: str, timeout_s: float) -> http.client.HTTPConnection:
@@ -200,11 +223,12 @@ class Cluster:
         *,
         mode: str,
         policy: str = "round_robin",
+        args: Iterable[str] = (),
     ) -> Proc:
         """Start `disagg route` over ready instances and wait until it is ready too."""
         argv = ["route", "--host", HOST, "--port", "0", "--mode", mode, "--policy", policy]
         argv += ["--prefill", *(p.url for p in prefill)] if mode != "aggregated" else []
-        argv += ["--decode", *(d.url for d in decode)]
+        argv += ["--decode", *(d.url for d in decode), *args]
         router = self._spawn(name, argv)
         self.wait_ready(router)
         return router
@@ -213,6 +237,7 @@ class Cluster:
         log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         argv = [sys.executable, "-m", "disagg.cli", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env["DISAGG_CLUSTER_TOKEN"] = CLUSTER_TOKEN
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 argv,
@@ -336,10 +361,20 @@ class Answer:
             return repr(self.body)
 
 
-def complete(url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S) -> Answer:
-    """POST /v1/completions (non-streamed); a silence longer than timeout_s raises."""
+def complete(
+    url: str,
+    body: dict[str, Any],
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    signed: bool = False,
+    headers: dict[str, str] | None = None,
+) -> Answer:
+    """POST /v1/completions (non-streamed); a silence longer than timeout_s raises. `signed`
+    sends it as a cluster call (how the router sends legs with kv_transfer_params)."""
     started = time.monotonic()
-    status, raw = _request(url, "POST", "/v1/completions", body, timeout_s=timeout_s)
+    status, raw = _request(
+        url, "POST", "/v1/completions", body, timeout_s=timeout_s, signed=signed, headers=headers
+    )
     try:
         parsed = json.loads(raw)
     except ValueError:
@@ -454,16 +489,22 @@ def read_chunks(opened: OpenStream, num_chunks: int) -> None:
 class Reference:
     """The aggregated instance's text for a request body, asked once per body."""
 
-    def __init__(self, cluster: Cluster, aggregated: Proc) -> None:
+    def __init__(
+        self, cluster: Cluster, aggregated: Proc, *, headers: dict[str, str] | None = None
+    ) -> None:
         self._cluster = cluster
         self._aggregated = aggregated
+        self._headers = headers  # e.g. the instance's API key
         self._texts: dict[str, str] = {}
 
     def __call__(self, body: dict[str, Any]) -> str:
         key = json.dumps(body, sort_keys=True)
         if key not in self._texts:
             self._cluster.wait_ready(self._aggregated)
-            self._texts[key] = complete(self._aggregated.url, {**body, "stream": False}).text
+            answer = complete(
+                self._aggregated.url, {**body, "stream": False}, headers=self._headers
+            )
+            self._texts[key] = answer.text
         return self._texts[key]
 
 

@@ -241,7 +241,7 @@ class TestPush:
         P, and neither holds a block or a registration."""
         before = push.decode_fail.stats()["expired_reservations"]
         _, d_body = _push_legs(push.prefill, _body(23))
-        answer = complete(push.decode_fail.url, d_body, timeout_s=CLIENT_TIMEOUT_S)
+        answer = complete(push.decode_fail.url, d_body, timeout_s=CLIENT_TIMEOUT_S, signed=True)
         _assert_failed(answer, f"within {RESERVATION_S}s")
         assert RESERVATION_S <= answer.elapsed_s < RESERVATION_S + PROMPT_S
         assert push.decode_fail.stats()["expired_reservations"] == before + 1
@@ -304,8 +304,10 @@ def test_push_decode_killed_while_prefill_holds_blocks(cluster: Cluster, transpo
     try:
         p_body, d_body = _push_legs(prefill, _long_body(40))
         with ThreadPoolExecutor(2) as pool:
-            p_leg = pool.submit(complete, prefill.url, p_body, timeout_s=CLIENT_TIMEOUT_S)
-            pool.submit(complete, decode.url, d_body, timeout_s=CLIENT_TIMEOUT_S)
+            p_leg = pool.submit(
+                complete, prefill.url, p_body, timeout_s=CLIENT_TIMEOUT_S, signed=True
+            )
+            pool.submit(complete, decode.url, d_body, timeout_s=CLIENT_TIMEOUT_S, signed=True)
             wait_until(
                 lambda: prefill.kv_info()["pending"]["registrations"] and _is_prefilling(prefill),
                 "D registered while P prefills",
@@ -333,18 +335,21 @@ def _long_body(seed: int) -> dict[str, Any]:
 
 def _prefill_leg(prefill: Proc, body: dict[str, Any], params: dict[str, Any]) -> Answer:
     """The P leg exactly as the router sends it (max_tokens 1, KV kept for a decode instance)."""
-    return complete(prefill.url, prefill_body(body, params), timeout_s=CLIENT_TIMEOUT_S)
+    return complete(
+        prefill.url, prefill_body(body, params), timeout_s=CLIENT_TIMEOUT_S, signed=True
+    )
 
 
 def _decode_leg(decode: Proc, body: dict[str, Any], params: dict[str, Any]) -> Answer:
-    return complete(decode.url, {**body, "kv_transfer_params": params}, timeout_s=CLIENT_TIMEOUT_S)
+    body = {**body, "kv_transfer_params": params}
+    return complete(decode.url, body, timeout_s=CLIENT_TIMEOUT_S, signed=True)
 
 
 def _push_legs(prefill: Proc, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(P leg body, D leg body) of one push dispatch, keyed by a fresh transfer id."""
     info = prefill.kv_info()
     p_params, d_params = push_params(
-        uuid.uuid4().hex, info["engine_id"], info["kv_host"], info["kv_port"]
+        uuid.uuid4().hex, info["engine_id"], info["kv_host"], info["kv_port"], None
     )
     return prefill_body(body, p_params), {**body, "kv_transfer_params": d_params}
 

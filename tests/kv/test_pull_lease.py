@@ -32,7 +32,9 @@ def _connector() -> tuple[PullConnector, np.ndarray]:
     )
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=8),
-        kv_transfer=KVTransferConfig(role="decode", connector="pull", transport="local"),
+        kv_transfer=KVTransferConfig(
+            role="decode", connector="pull", transport="local", cluster_token="t" * 16
+        ),
     )
     return PullConnector(config, runner), buffer
 
@@ -67,7 +69,7 @@ def test_read_after_the_lease_fails_without_posting() -> None:
         connector.on_blocks_allocated(request, [4, 5], 6)
         connector.start_load(connector.build_meta())
         out = connector.get_finished()
-        assert "lease" in out.failed["r"] and not connector._in_flight
+        assert "lease" in out.failed["r"].reason and not connector._in_flight
     finally:
         connector.close()
 
@@ -81,6 +83,6 @@ def test_read_within_the_lease_is_posted() -> None:
         connector.on_blocks_allocated(_request(lease_s=30.0, age_s=0.0), [4, 5], 6)
         connector.start_load(connector.build_meta())
         out = connector.get_finished()
-        assert "lease" not in out.failed["r"]  # it got as far as the transport
+        assert "lease" not in out.failed["r"].reason  # it got as far as the transport
     finally:
         connector.close()

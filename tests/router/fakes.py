@@ -172,9 +172,13 @@ async def read_events(resp: aiohttp.ClientResponse, count: int | None = None) ->
     return events
 
 
+ROUTER_TEST_TOKEN = "router-tests-cluster-token"
+
+
 @asynccontextmanager
 async def running_router(**cfg: Any) -> AsyncIterator[str]:
     """A router app on a free port; yields its base URL."""
+    cfg.setdefault("cluster_token", ROUTER_TEST_TOKEN)
     config = RouterConfig(host="127.0.0.1", port=0, **cfg)
     runner, port = await start_server(make_app(config), "127.0.0.1", 0)
     try:

@@ -40,7 +40,7 @@ def test_health_and_instances_reflect_each_role() -> None:
             {"url": dead_prefill, "role": "prefill", "healthy": False},
             {"url": d_url, "role": "decode", "healthy": True},
         ]
-        assert set(error) == {"message", "type", "code"} and "prefill" in error["message"]
+        assert set(error) == {"message", "type", "param", "code"} and "prefill" in error["message"]
         assert d.received == []
 
     run_async(main())

@@ -148,7 +148,7 @@ def test_pull_prefill_connection_dropped_is_502() -> None:
         async with routed(p, d, mode="pull") as url:
             status, answer = await post(url, PROMPT)
         assert status == 502
-        assert set(answer["error"]) == {"message", "type", "code"}
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
         assert d.received == []
 
     run_async(main())

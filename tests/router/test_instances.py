@@ -44,7 +44,12 @@ def test_kv_info_is_refetched_when_an_instance_comes_back() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
         async with running(p, d) as (p_url, d_url):
-            cfg = RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), mode="push")
+            cfg = RouterConfig(
+                prefill_urls=(p_url,),
+                decode_urls=(d_url,),
+                mode="push",
+                cluster_token="router-tests-cluster-token",
+            )
             pool = InstancePool(cfg, health_interval_s=0.02)
             async with aiohttp.ClientSession() as session:
                 await pool.start(session)
@@ -76,6 +81,7 @@ def test_least_loaded_pool_polls_load_and_resets_pending() -> None:
                 mode="pull",
                 policy="least_loaded",
                 load_poll_interval_s=30.0,
+                cluster_token="router-tests-cluster-token",
             )
             pool = InstancePool(cfg)
             async with aiohttp.ClientSession() as session:

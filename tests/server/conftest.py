@@ -13,6 +13,7 @@ from disagg.tokenizer import Tokenizer
 from tests.server.fakes import FakeEngine, ServerThread, make_tokenizer_dir
 
 OUTPUT_TEXT = "Hello world, this is a test."
+CLUSTER_TOKEN = "server-tests-cluster-token"  # what the router would sign its legs with
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,9 @@ def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., tuple[FakeEngine, Serv
     def start(**knobs: Any) -> tuple[FakeEngine, ServerThread]:
         knobs.setdefault("output_ids", tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
         engine = FakeEngine(**knobs)
-        server = ServerThread(lambda: make_app(engine, tokenizer)).__enter__()
+        server = ServerThread(
+            lambda: make_app(engine, tokenizer, cluster_token=CLUSTER_TOKEN)
+        ).__enter__()
         started.append(server)
         return engine, server
 

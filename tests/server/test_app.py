@@ -13,9 +13,10 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg import auth
 from disagg.server.engine_client import EngineOverloadedError
 from disagg.tokenizer import Tokenizer
-from tests.server.conftest import OUTPUT_TEXT
+from tests.server.conftest import CLUSTER_TOKEN, OUTPUT_TEXT
 from tests.server.fakes import FakeEngine, ServerThread, wait_until
 
 Serve = Callable[..., tuple[FakeEngine, ServerThread]]
@@ -25,8 +26,14 @@ def _client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=10)
 
 
-def _post(server: ServerThread, path: str, body: Any, **kwargs: Any) -> requests.Response:
+def _post(
+    server: ServerThread, path: str, body: Any, *, signed: bool = False, **kwargs: Any
+) -> requests.Response:
+    """POST; `signed` makes it a cluster call, as the router sends legs and aborts."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if signed:
+        signature = auth.sign(CLUSTER_TOKEN, "POST", path, data)
+        kwargs["headers"] = {**kwargs.get("headers", {}), auth.SIGNATURE_HEADER: signature}
     return requests.post(f"{server.url}{path}", data=data, timeout=10, **kwargs)
 
 
@@ -167,13 +174,14 @@ def test_kv_transfer_params_round_trip(serve: Serve) -> None:
     engine, server = serve(kv_params_out=returned)
     sent = {"do_remote_decode": True, "transfer_id": "t1"}
     body = {"prompt": "Paris", "max_tokens": 1, "kv_transfer_params": sent}
-    response = _post(server, "/v1/completions", body)
+    assert _post(server, "/v1/completions", body).status_code == 403  # only the router's
+    response = _post(server, "/v1/completions", body, signed=True)
     assert response.status_code == 200
     assert response.json()["kv_transfer_params"] == returned
     assert "breakdown" in response.json()["disagg"]
     params = engine.submitted[0].kv_transfer_params
     assert params is not None and params.do_remote_decode and params.transfer_id == "t1"
-    events = _sse(_post(server, "/v1/completions", {**body, "stream": True}))
+    events = _sse(_post(server, "/v1/completions", {**body, "stream": True}, signed=True))
     assert events[-2]["kv_transfer_params"] == returned
 
 
@@ -338,9 +346,10 @@ def test_client_disconnect_during_non_stream_aborts(serve: Serve) -> None:
 
 def test_abort_endpoint(serve: Serve) -> None:
     engine, server = serve()
-    assert _post(server, "/v1/abort", {"request_id": "nobody"}).status_code == 200
+    assert _post(server, "/v1/abort", {"request_id": "nobody"}).status_code == 401  # unsigned
+    assert _post(server, "/v1/abort", {"request_id": "nobody"}, signed=True).status_code == 200
     assert engine.aborted == ["nobody"]
-    assert _post(server, "/v1/abort", {"request_id": 3}).status_code == 400
+    assert _post(server, "/v1/abort", {"request_id": 3}, signed=True).status_code == 400
 
 
 def test_instance_endpoints(serve: Serve) -> None:

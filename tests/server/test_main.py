@@ -16,9 +16,12 @@ import pytest
 import requests
 from aiohttp import web
 
+from disagg import auth
 from disagg.config import EngineConfig
 from disagg.server import main
 from tests.server.fakes import FakeEngine, wait_until
+
+_TOKEN = "serve-tests-cluster-token"
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -32,6 +35,7 @@ def test_flags_build_configs() -> None:
         "--model", "m", "--port", "0", "--kv-host", "10.0.0.1", "--kv-fault", "fail_transfer",
         "--role", "decode", "--kv-connector", "push", "--no-prefix-caching",
         "--block-size", "32", "--max-model-len", "512", "--lease-s", "2.5",
+        "--cluster-token", _TOKEN,
     )  # fmt: skip
     engine, server = main.build_configs(args)
     assert (engine.model, server.port, server.host) == ("m", 0, "127.0.0.1")
@@ -39,6 +43,7 @@ def test_flags_build_configs() -> None:
     assert (kv.host, kv.fault, kv.role, kv.connector, kv.lease_s) == (
         "10.0.0.1", "fail_transfer", "decode", "push", 2.5,
     )  # fmt: skip
+    assert kv.cluster_token == _TOKEN and _TOKEN not in repr(engine)  # never logged
     assert engine.scheduler.enable_prefix_caching is False
     assert (engine.cache.block_size, engine.scheduler.max_model_len) == (32, 512)
     defaults, _ = main.build_configs(_parse())
@@ -56,8 +61,9 @@ class _FakeAsyncEngine(FakeEngine):
 
     instances: list[_FakeAsyncEngine] = []
 
-    def __init__(self, config: EngineConfig, model_dir: Any) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Any, *, exit_on_death: bool) -> None:
         super().__init__(output_ids=[40, 41, 42], model_name=config.model_name)
+        assert exit_on_death, "a served engine must exit when its loop dies"
         self.model_dir = Path(model_dir)
         self.events: list[str] = []
         _FakeAsyncEngine.instances.append(self)
@@ -102,19 +108,24 @@ def test_serve_until_sigterm(
             wait_until(lambda: _is_up(url), timeout_s=10)
             body = {"prompt": "Paris", "max_tokens": 2}
             seen["completion"] = requests.post(f"{url}/v1/completions", json=body, timeout=5)
-            seen["extra"] = requests.get(f"{url}/kv/ping", timeout=5).json()
+            seen["unsigned"] = requests.get(f"{url}/kv/ping", timeout=5).status_code
+            signature = auth.sign(_TOKEN, "GET", "/kv/ping", b"")
+            headers = {auth.SIGNATURE_HEADER: signature}
+            seen["extra"] = requests.get(f"{url}/kv/ping", headers=headers, timeout=5).json()
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # always, so run() cannot hang
 
     thread = threading.Thread(target=client)
     thread.start()
-    assert main.run(_parse("--model", "tiny", "--port", str(port), "--served-model-name", "t")) == 0
+    argv = ("--model", "tiny", "--port", str(port), "--served-model-name", "t")
+    assert main.run(_parse(*argv, "--cluster-token", _TOKEN)) == 0
     thread.join(timeout=10)
     engine = _FakeAsyncEngine.instances[-1]
     assert engine.events == ["start", "address", "shutdown"]
     assert engine.model_dir == tokenizer_dir
     assert seen["completion"].status_code == 200 and seen["completion"].json()["model"] == "t"
     assert seen["extra"] == {"pong": True}
+    assert seen["unsigned"] == 401  # internal routes: cluster-signed calls only
     assert f"disagg serve ready on http://127.0.0.1:{port}\n" in capsys.readouterr().out
 
 

@@ -18,13 +18,20 @@ __all__ = [
 
 
 def make_transport(
-    kind: str, name: str, *, host: str = "127.0.0.1", device: str = "cpu"
+    kind: str,
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    secret: str | None = None,
 ) -> Transport:
     """A fresh, unregistered transport named `name` (unique per process, e.g. the engine id).
 
     kind: "nixl" | "tcp" | "local". `host` is the address peers reach us on (tcp listener;
     for nixl a loopback host keeps UCX on loopback); local ignores it. `device` is where the
     registered KV buffer lives ("cpu" | "cuda[:N]"); only nixl moves device memory.
+    `secret` is the cluster's shared secret: tcp serves and sends only to peers proving the
+    same one (None: no proof, and peers must have none either); nixl and local ignore it.
     """
     if kind == "nixl":
         from disagg.kv.transport.nixl import NixlTransport
@@ -35,7 +42,7 @@ def make_transport(
     if kind == "tcp":
         from disagg.kv.transport.tcp import TcpTransport
 
-        return TcpTransport(name, host=host)
+        return TcpTransport(name, host=host, secret=secret)
     if kind == "local":
         from disagg.kv.transport.local import LocalTransport
 

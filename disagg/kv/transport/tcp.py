@@ -1,8 +1,9 @@
 """TCP transport: the pure-Python fallback for hosts without NIXL, same semantics.
 
 Owns a listener thread (one server thread per accepted connection) that serves READ/WRITE/NOTIF
-requests against the registered buffer; tcp_link.py does the initiator's socket I/O on one
-worker per peer, so post() never blocks; tcp_wire.py is the frame format. A failure turns the
+requests against the registered buffer, but only after tcp_auth.py's handshake admitted the
+peer (same shared secret, or none on both sides); tcp_link.py does the initiator's socket I/O on
+one worker per peer, so post() never blocks; tcp_wire.py is the frame format. A failure turns the
 transfer into ERR; every socket wait is bounded by io_timeout_s, so nothing hangs on a dead peer.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 from disagg.kv.transport.local import buffer_view, check_region, check_transfer_args
+from disagg.kv.transport.tcp_auth import admit
 from disagg.kv.transport.tcp_link import Job, PeerLink, Region
 from disagg.kv.transport.tcp_wire import (
     OP_NOTIF,
@@ -40,11 +42,20 @@ _MAGIC = b"DKVT"
 
 class TcpTransport(Transport):
     """KV blocks over plain TCP sockets; the listener starts at construction so notifications
-    can arrive before register()."""
+    can arrive before register(). With a `secret`, only peers holding the same one are served
+    or sent to; None (or "") means no handshake proof, and then peers must have none either."""
 
-    def __init__(self, name: str, *, host: str = "127.0.0.1", io_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        io_timeout_s: float = 10.0,
+        secret: str | None = None,
+    ) -> None:
         self.name = name
         self.io_timeout_s = io_timeout_s  # bounds every connect/send/recv on both sides
+        self._secret = secret or None  # an empty key proves nothing: treat it as none
         self._lock = threading.Lock()
         self._region: Region | None = None
         self._links: dict[str, PeerLink] = {}
@@ -97,8 +108,9 @@ class TcpTransport(Transport):
             if old is not None:  # restarted peer: its old address is stale
                 old.stop()
             self._links[info.name] = PeerLink(
-                self.name, info, addr, self.io_timeout_s, self._region_or_raise, self._finish
-            )
+                self.name, info, addr, self.io_timeout_s, self._secret,
+                self._region_or_raise, self._finish,
+            )  # fmt: skip
             self._link_metadata[info.name] = metadata
         return info
 
@@ -175,11 +187,12 @@ class TcpTransport(Transport):
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:  # close() shut the listener down
                 return
+            # the handshake runs on the new thread: a silent client must not stall accept()
             thread = threading.Thread(
-                target=self._serve, args=(sock,), name=f"kv-tcp-serve-{self.name}", daemon=True
+                target=self._serve, args=(sock, addr), name=f"kv-tcp-serve-{self.name}", daemon=True
             )
             with self._lock:
                 if self._is_closed:
@@ -190,8 +203,11 @@ class TcpTransport(Transport):
                 self._server_threads.append(thread)
             thread.start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         try:
+            who = f"{addr[0]}:{addr[1]}"
+            if not admit(sock, self._secret, self.io_timeout_s, f"{who} (to {self.name})"):
+                return  # nothing served; `finally` hangs up
             while self._serve_one(sock):
                 pass
         except TransportError as exc:  # a bad request: tell the initiator, then hang up

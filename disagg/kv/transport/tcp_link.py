@@ -1,5 +1,7 @@
 """The TCP transport's initiator side: one worker thread and one cached socket per peer, so
-post() only queues a job and never blocks on the network.
+post() only queues a job and never blocks on the network. Every new socket runs tcp_auth.py's
+handshake before its first request, so we never send KV to (or read it from) a peer that does
+not share our secret.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from disagg.kv.transport.base import PeerInfo, TransportError
+from disagg.kv.transport.tcp_auth import authenticate
 from disagg.kv.transport.tcp_wire import (
     OP_NOTIF,
     OP_READ,
@@ -55,11 +58,12 @@ class PeerLink:
         info: PeerInfo,
         addr: tuple[str, int],
         io_timeout_s: float,
+        secret: str | None,  # the cluster's shared secret; None = no handshake proof
         region: Callable[[], Region],  # our registered buffer (raises once closed)
         finish: Callable[[Job], None],  # called with every job, done or failed
     ) -> None:
         self.name, self.info, self.addr, self.io_timeout_s = name, info, addr, io_timeout_s
-        self._region, self._finish = region, finish
+        self._secret, self._region, self._finish = secret, region, finish
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # None = stop; always the last item
         self.sock: socket.socket | None = None
         self.is_stopped = False
@@ -127,7 +131,9 @@ class PeerLink:
         if self.sock is None:
             sock = socket.create_connection(self.addr, timeout=self.io_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = sock
+            self.sock = sock  # set first, so stop() can interrupt the handshake too
+            authenticate(sock, self._secret, self.name, self.io_timeout_s)  # raises AuthError
+            sock.settimeout(self.io_timeout_s)  # the handshake left a shorter one behind
         return self.sock
 
     def _disconnect(self) -> None:
