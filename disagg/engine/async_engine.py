@@ -37,6 +37,7 @@ class AsyncEngine:
         live on as a zombie answering 503)."""
         self.config = config
         self.exit_on_death = exit_on_death
+        self.exit_process = os._exit  # no cleanup: the loop is dead, peers' leases cover us
         self.model_dir = str(model_dir)
         self.model_name = config.model_name
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -197,7 +198,7 @@ class AsyncEngine:
         assert self._loop is not None
         log.critical("exiting with code %d so that a supervisor restarts this instance",
                      _DEATH_EXIT_CODE)  # fmt: skip
-        timer = threading.Timer(_DEATH_FLUSH_S, os._exit, (_DEATH_EXIT_CODE,))
+        timer = threading.Timer(_DEATH_FLUSH_S, self.exit_process, (_DEATH_EXIT_CODE,))
         timer.daemon = True
         timer.start()
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _LISTEN_FAST_S = 0.00025
 _LISTEN_SLOW_S = 0.002
 _IDLE_LISTEN_INTERVAL_S = 0.01  # nothing pending at all: no notification is awaited
+_NUM_CALL_THREADS = 8
 
 
 class HandshakeError(RuntimeError):
@@ -120,7 +121,9 @@ class ConnectorBase(KVConnector):
         self._peers: dict[str, Future[str]] = {}  # engine id -> transport peer name (handshake)
         self._handshakes = ThreadPoolExecutor(2, thread_name_prefix="kv-handshake")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")  # notifications
-        self._peer_queues: dict[str, ThreadPoolExecutor] = {}  # peer URL -> its FIFO thread
+        # Side-channel calls (push registrations and cancels, pull releases): several at once,
+        # so one slow peer or one slow call never holds up the others.
+        self.calls = ThreadPoolExecutor(_NUM_CALL_THREADS, thread_name_prefix="kv-call")
         self.stats: dict[str, float] = dict.fromkeys(_STAT_NAMES, 0)
         self._stopping = threading.Event()
         self.listen_cap_s = _LISTEN_SLOW_S  # slowest notification poll while something pends
@@ -208,16 +211,6 @@ class ConnectorBase(KVConnector):
         self.stats["handshakes"] += 1
         self.stats["handshake_s_total"] += time.monotonic() - started
         return name
-
-    def peer_queue(self, peer_url: str) -> ThreadPoolExecutor:
-        """The FIFO thread for calls to one peer: order kept per peer, and a slow peer never
-        holds up calls to another."""
-        with self._lock:
-            queue = self._peer_queues.get(peer_url)
-            if queue is None:
-                queue = ThreadPoolExecutor(1, thread_name_prefix="kv-peer")
-                self._peer_queues[peer_url] = queue
-            return queue
 
     # ------------------------------------------------------------------ request facts
 
@@ -323,8 +316,7 @@ class ConnectorBase(KVConnector):
         self._stopping.set()
         self._listener.join(timeout=5)
         self._control.shutdown(wait=False, cancel_futures=True)
-        for queue in list(self._peer_queues.values()):
-            queue.shutdown(wait=False, cancel_futures=True)
+        self.calls.shutdown(wait=False, cancel_futures=True)
         self._handshakes.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
 

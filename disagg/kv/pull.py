@@ -198,7 +198,7 @@ class PullConnector(ConnectorBase):
         if load.prefill_url is None:
             return
         url, body = f"{load.prefill_url}/kv/release", {"request_id": load.remote_request_id}
-        self.peer_queue(load.prefill_url).submit(self._post_quietly, url, body)
+        self.calls.submit(self._post_quietly, url, body)
 
     def _post_quietly(self, url: str, body: dict[str, Any]) -> None:
         try:

@@ -13,7 +13,8 @@ blocks on a transfer.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -36,6 +37,7 @@ class _Reservation:  # decode side
     prefill_url: str
     deadline: float
     state: str = "active"  # active -> (timed_out) -> cancelling; removed when settled
+    registered: Future[None] = field(default_factory=Future)  # the registration call
 
 
 class PushConnector(ConnectorBase):
@@ -90,12 +92,12 @@ class PushConnector(ConnectorBase):
             self._reservations[tid] = reservation
             self._transfer_of[request.request_id] = tid
         peer = self.ensure_peer(engine, host, port)
-        # One FIFO per prefill instance: its cancel follows its registration, and a slow peer
-        # delays only the registrations addressed to it.
-        self.peer_queue(reservation.prefill_url).submit(self._register, reservation, peer)
+        # Registrations run side by side (a slow one holds up no other); a cancel waits for
+        # its own registration (see request_aborted).
+        reservation.registered = self.calls.submit(self._register, reservation, peer)
 
     def _register(self, reservation: _Reservation, peer: Any) -> None:
-        """Peer queue thread: tell P where to write. Failures fail the request by policy."""
+        """Call thread: tell P where to write. Failures fail the request by policy."""
         delay = self.kv_config.register_delay_s
         if delay:
             time.sleep(delay)  # fault injection: a slow decode instance
@@ -182,7 +184,7 @@ class PushConnector(ConnectorBase):
             self.report(failed=(reservation.request.request_id, self.failure(reason)))
 
     def _cancel(self, reservation: _Reservation) -> None:
-        """Peer queue thread (after our registration, FIFO): make sure P will not write,
+        """Call thread (after our registration call ended): make sure P will not write,
         then let the scheduler free the blocks."""
         try:
             post_json(
@@ -265,7 +267,11 @@ class PushConnector(ConnectorBase):
             if reservation is None:
                 return False  # already settled (done, failed, or never registered)
             reservation.state = "cancelling"
-        self.peer_queue(reservation.prefill_url).submit(self._cancel, reservation)
+        # After the registration call ends, however it ends: a cancel that overtook it would
+        # leave P with a registration nobody will cancel.
+        reservation.registered.add_done_callback(
+            lambda _: self.calls.submit(self._cancel, reservation)
+        )
         return True
 
     def blocks_in_use(self) -> set[int]:

@@ -195,14 +195,22 @@ class Router:
         decode = self.pool.pick("decode")
         p_breakdown = breakdown_of(answer)
         relayed: Relayed | None = None
+        is_unread = False  # True once D surely never started a READ of P's blocks
         try:
             started_s = time.monotonic()
-            resp = await self._post(decode, call, call.body_with({**d_params, "connector": "pull"}))
+            body = call.body_with({**d_params, "connector": "pull"})
+            resp = await self._post(decode, call, body)
             relayed = await self._respond(call, resp, "decode", started_s, _constant(p_breakdown))
             return relayed
+        except RouteError as exc:
+            # D never got it, or answered 4xx: only for a request its engine never took.
+            is_unread = exc.unsent or (exc.leg == "decode" and 400 <= exc.status < 500)
+            raise
         finally:
             if relayed is None or relayed.status >= 400:
                 self._abort(prefill, call.request_id)  # free P's held blocks before the lease does
+                if is_unread:  # P keeps a lease past an abort (reads are one-sided) unless told
+                    self._release(prefill, str(d_params.get("remote_request_id")))
 
     async def _push(self, call: Call) -> Relayed:
         """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
@@ -322,7 +330,9 @@ class Router:
             return await self.session.post(url, data=data, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             self.pool.mark_unhealthy(inst, repr(exc))
-            raise RouteError.of(502, f"cannot reach {leg} instance {inst.url}", leg=leg) from exc
+            error = RouteError.of(502, f"cannot reach {leg} instance {inst.url}", leg=leg)
+            error.unsent = True  # the instance never saw it
+            raise error from exc
         except aiohttp.ClientError as exc:
             raise RouteError.of(502, f"{leg} instance {inst.url}: {exc!r}", leg=leg) from exc
         except TimeoutError as exc:
@@ -330,19 +340,23 @@ class Router:
 
     def _abort(self, inst: Instance, request_id: str) -> None:
         """POST /v1/abort in the background: it must land even if this handler is cancelled."""
-        self._keep(asyncio.create_task(self._post_abort(inst, request_id)))
+        self._keep(asyncio.create_task(self._post_internal(inst, "/v1/abort", request_id)))
 
-    async def _post_abort(self, inst: Instance, request_id: str) -> None:
+    def _release(self, inst: Instance, request_id: str) -> None:
+        """Pull: tell P that no decode instance read its lease, so the blocks go now."""
+        self._keep(asyncio.create_task(self._post_internal(inst, "/kv/release", request_id)))
+
+    async def _post_internal(self, inst: Instance, path: str, request_id: str) -> None:
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
         data = json.dumps({"request_id": request_id}).encode()
-        headers = self._signature("/v1/abort", data)
+        headers = self._signature(path, data)
         try:
             async with self.session.post(
-                f"{inst.url}/v1/abort", data=data, headers=headers, timeout=timeout
+                f"{inst.url}{path}", data=data, headers=headers, timeout=timeout
             ) as resp:
-                logger.info("abort %s on %s: %s", request_id, inst.url, resp.status)
+                logger.info("%s %s on %s: %s", path, request_id, inst.url, resp.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            logger.warning("abort %s on %s failed: %r", request_id, inst.url, exc)
+            logger.warning("%s %s on %s failed: %r", path, request_id, inst.url, exc)
 
     def _signature(self, path: str, data: bytes) -> dict[str, str]:
         """Headers that make a leg a cluster call: instances accept kv_transfer_params and

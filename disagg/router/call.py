@@ -14,7 +14,12 @@ from aiohttp import web
 
 from disagg.protocol import KVTransferParams
 from disagg.router.relay import RouteError
-from disagg.server.openai_api import APIError, parse_json_body
+from disagg.server.openai_api import (
+    APIError,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
 
 __all__ = ["Call", "kv_params", "parse_call", "prefill_body", "push_params"]
 
@@ -76,13 +81,24 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def _check_request(path: str, body: dict[str, Any]) -> None:
+    """The checks that need neither tokenizer nor engine, before any leg is sent: a request an
+    instance would refuse must not cost a prefill and a held lease first."""
+    parse = parse_chat_request if path.endswith("/chat/completions") else parse_completion_request
+    try:
+        parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
+    except APIError as exc:
+        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
+
+
 async def parse_call(request: web.Request, request_id: str) -> Call:
     try:
         body = parse_json_body(await request.read())
     except APIError as exc:  # not JSON, not an object, too deep, lone surrogate, 1e309
-        raise RouteError.of(exc.status, exc.message) from exc
+        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
     if not isinstance(body.get("stream", False), bool):
         raise RouteError.of(400, "stream must be a boolean")
+    _check_request(request.path, body)
     if "kv_transfer_params" in body:
         # They name blocks and peers: only the router sets them, on the legs it sends.
         raise RouteError.of(

@@ -54,6 +54,7 @@ class RouteError(Exception):
         self.status = status
         self.body = body
         self.leg = leg  # which leg failed; None = the router refused the request itself
+        self.unsent = False  # True when the leg never reached its instance (connect failed)
 
     @classmethod
     def of(

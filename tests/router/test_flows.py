@@ -76,7 +76,7 @@ def test_pull_is_prefill_then_decode_with_prefill_params() -> None:
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
         async with routed(p, d, mode="pull") as url:
-            body = {**PROMPT, "stream_options": {"include_usage": True}, "min_tokens": 2}
+            body = {**PROMPT, "min_tokens": 2}
             status, answer = await post(url, body)
         assert status == 200, answer
         (p_leg,), (d_leg,) = p.received, d.received
@@ -84,7 +84,7 @@ def test_pull_is_prefill_then_decode_with_prefill_params() -> None:
         assert "stream_options" not in p_leg.body and "min_tokens" not in p_leg.body
         assert p_leg.kv == {"do_remote_decode": True, "connector": "pull"}
         assert d_leg.at_s > p_leg.at_s
-        assert d_leg.body["max_tokens"] == 8 and d_leg.body["stream_options"]
+        assert d_leg.body["max_tokens"] == 8 and d_leg.body["min_tokens"] == 2
         assert d_leg.kv["remote_block_ids"] == [3, 4] and d_leg.kv["do_remote_prefill"] is True
         assert d_leg.kv["connector"] == "pull"
         assert p_leg.request_id == d_leg.request_id == d_leg.kv["remote_request_id"]
@@ -105,7 +105,12 @@ def test_pull_chat_stream_limits_prefill_and_merges_breakdown_into_final_chunk()
     async def main() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
         async with routed(p, d, mode="pull") as url:
-            body = {"model": "m", "messages": [], "max_completion_tokens": 5, "stream": True}
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 5,
+                "stream": True,
+            }
             async with aiohttp.ClientSession() as session:
                 async with session.post(url + "/v1/chat/completions", json=body) as resp:
                     assert resp.headers["X-Request-Id"].startswith("chatcmpl-")
