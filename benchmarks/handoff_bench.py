@@ -31,6 +31,8 @@ from typing import Any
 
 import transport_bench  # benchmarks/ is on sys.path when this file runs as a script
 
+_CLUSTER_TOKEN = f"handoff-bench-{os.getpid()}-{random.getrandbits(64):x}"
+
 _HOST = "127.0.0.1"
 _READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
 _START_TIMEOUT_S = 180.0
@@ -59,6 +61,7 @@ class _Child:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.setdefault("DISAGG_CLUSTER_TOKEN", _CLUSTER_TOKEN)  # signs the instances' calls
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "disagg.cli", *args],

@@ -10,7 +10,7 @@ OUT="${OUT:-docs/results}"
 [ -f "$MODEL/config.json" ] || disagg make-model --arch qwen3 --layers 2 --hidden 128 --heads 4 \
   --kv-heads 4 --head-dim 64 --intermediate 256 --vocab 4096 --max-pos 16384 --seed 0 \
   --out "$MODEL" >/dev/null
-disagg bench sweep --model "$MODEL" --modes aggregated,pull,push \
+disagg bench sweep --model "$MODEL" --modes aggregated,pull,pull-inline,push \
   --request-rates "${RATES:-0.5,1.5,3}" --input-lens "${LENS:-256,1024,4096}" --output-len 32 \
   --num-prompts "${PROMPTS:-20}" --warmup 3 --token-range 100:4000 --seed 0 \
   --output-dir "$OUT" --log-dir "$(mktemp -d)" \

@@ -29,6 +29,7 @@ Role = Literal["both", "prefill", "decode"]
 ConnectorName = Literal["pull", "push"]
 TransportName = Literal["nixl", "tcp", "local"]
 FailurePolicy = Literal["fail", "recompute"]
+PullSetup = Literal["background", "inline"]
 RouterMode = Literal["aggregated", "pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded"]
 
@@ -104,6 +105,9 @@ class KVTransferConfig:
     reservation_timeout_s: float = 30.0  # D frees a reservation P never wrote
     transfer_timeout_s: float = 20.0  # a posted transfer that has not finished by then fails
     failure_policy: FailurePolicy = "fail"  # on a failed transfer: error, or prefill on D
+    # Pull, decode side: where descriptors are built and the READ posted and polled.
+    # inline = on the engine loop (vLLM's pull); background = on its own thread.
+    pull_setup: PullSetup = "background"
     # Fault injection for tests and drills: "" | "fail_transfer" (every transfer this instance
     # starts fails) | "delay_register:SECONDS" (push: D registers its blocks late).
     fault: str = ""
@@ -115,6 +119,7 @@ class KVTransferConfig:
         _check_choice("connector", self.connector, ConnectorName)
         _check_choice("transport", self.transport, TransportName)
         _check_choice("failure_policy", self.failure_policy, FailurePolicy)
+        _check_choice("pull_setup", self.pull_setup, PullSetup)
         _check_positive(self, "lease_s", "reservation_timeout_s", "transfer_timeout_s")
         _check_token(f"a {self.role} instance", self.cluster_token, is_required=self.role != "both")
         if not (self.fault in ("", "fail_transfer") or self.fault.startswith("delay_register:")):

@@ -14,7 +14,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from disagg.config import EngineConfig, PolicyName, RouterConfig, RouterMode, field_help
+from disagg.config import (
+    EngineConfig,
+    KVTransferConfig,
+    PolicyName,
+    PullSetup,
+    RouterConfig,
+    RouterMode,
+    field_help,
+)
 
 __all__ = [
     "ClusterConfig",
@@ -45,6 +53,8 @@ class ClusterConfig:
     port: int = field_help(RouterConfig)["port"][0]  # the router's; 0 = a free one
     kv_transport: UpTransport = "nixl"
     policy: PolicyName = "round_robin"
+    # Pull: decode instances post READs on their own thread (background) or on the loop.
+    pull_setup: PullSetup = field_help(KVTransferConfig)["pull_setup"][0]
     threads_per_instance: int = 1  # torch intra-op threads per instance
     serve_args: tuple[str, ...] = ()  # extra `disagg serve` flags for every instance
     prefill_args: tuple[str, ...] = ()  # ... for prefill instances only (after serve_args)
@@ -56,6 +66,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, RouterMode)
         _check_choice("kv_transport", self.kv_transport, UpTransport)
+        _check_choice("pull_setup", self.pull_setup, PullSetup)
         _check_choice("policy", self.policy, PolicyName)
         self._check_types()
         if self.num_prefill is not None and self.num_prefill < 0:
@@ -112,6 +123,8 @@ class ClusterConfig:
         cmd += ["--num-threads", str(self.threads_per_instance), "--role", role]
         if role != "both":
             cmd += ["--kv-connector", self.mode, "--kv-transport", self.kv_transport]
+        if role == "decode" and self.mode == "pull":
+            cmd += ["--pull-setup", self.pull_setup]
         role_args = self.prefill_args if role == "prefill" else self.decode_args
         return cmd + list(self.serve_args) + list(role_args)
 
@@ -187,7 +200,7 @@ def merge_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Cl
 
 _FLAG_FIELDS = (
     "mode", "num_prefill", "num_decode", "model", "port", "host", "kv_transport", "policy",
-    "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
+    "pull_setup", "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
 )  # fmt: skip
 
 
@@ -207,6 +220,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host", help=f"bind address of every process (default: {d['host']})")
     add("--kv-transport", choices=get_args(UpTransport), help=f"(default: {d['kv_transport']})")
     add("--policy", choices=get_args(PolicyName), help=f"(default: {d['policy']})")
+    add(
+        "--pull-setup",
+        choices=get_args(PullSetup),
+        help="pull: decode instances build descriptors and post READs on their own thread "
+        f"(background) or on the engine loop, as vLLM (inline) (default: {d['pull_setup']})",
+    )
     add("--threads-per-instance", type=int, help=f"(default: {d['threads_per_instance']})")
     add("--config", type=Path, metavar="TOML", help="cluster file; flags given here win over it")
     add("--log-dir", type=Path, help="one log file per process (default: a fresh temp dir)")

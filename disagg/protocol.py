@@ -12,12 +12,18 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = [
+    "EngineOverloadedError",
     "FinishReason",
     "KVTransferParams",
     "RequestOutput",
     "SamplingParams",
     "TTFTBreakdown",
 ]
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine cannot take this request now (dead, or out of capacity): try again later.
+    Raised by the engine side, answered 503 by the server."""
 
 
 class FinishReason(enum.Enum):
@@ -172,6 +178,10 @@ class TTFTBreakdown:
     transfer_s: float | None = None  # post -> bytes landed
     decode_wait_s: float | None = None  # KV landed -> first decode step scheduled at D
     first_step_s: float | None = None  # first decode step at D
+    # Not a TTFT stage: engine-loop time this instance spent on the request's KV handoff
+    # (allocation bookkeeping, and with inline pull descriptor prep + post + polls). Every
+    # running decode on the instance waited that long too.
+    loop_blocked_s: float | None = None
     num_descriptors: int | None = None
     num_bytes: int | None = None
 

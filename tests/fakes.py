@@ -7,10 +7,10 @@ import itertools
 
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
+from disagg.engine.kv_connector import KVConnector
 from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
-from disagg.kv.connector import KVConnector
 from disagg.protocol import KVTransferParams, SamplingParams
 
 _ids = itertools.count()

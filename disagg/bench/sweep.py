@@ -45,7 +45,7 @@ __all__ = [
     "write_outputs",
 ]
 
-MODES = ("aggregated", "pull", "push")
+MODES = ("aggregated", "pull", "pull-inline", "push")  # pull = pull with background setup
 _HEALTH_POLL_S = 0.2
 
 
@@ -98,7 +98,9 @@ def cluster_command(cfg: SweepConfig, mode: str, port: int) -> list[str]:
     The aggregated baseline gets as many instances as the disaggregated modes have in all
     (N + M, round robin), so every mode runs on the same number of processes and cores."""
     base = list(cfg.up_command) or [sys.executable, "-m", "disagg.cli", "up"]
-    cmd = base + ["--mode", mode, "--model", cfg.model, "--port", str(port)]
+    cmd = base + ["--mode", mode.removesuffix("-inline"), "--model", cfg.model, "--port", str(port)]
+    if mode == "pull-inline":
+        cmd += ["--pull-setup", "inline"]
     if mode == "aggregated":
         cmd += ["--num-decode", str(cfg.num_prefill + cfg.num_decode)]
     else:

@@ -17,8 +17,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from disagg.config import EngineConfig
-from disagg.protocol import FinishReason, KVTransferParams, RequestOutput, SamplingParams
-from disagg.server.engine_client import EngineOverloadedError
+from disagg.protocol import (
+    EngineOverloadedError,
+    FinishReason,
+    KVTransferParams,
+    RequestOutput,
+    SamplingParams,
+)
 
 __all__ = ["AsyncEngine"]
 
@@ -31,11 +36,19 @@ _DEATH_FLUSH_S = 0.5  # time for the failed requests' answers to leave before th
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, model_dir: str, *, exit_on_death: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        *,
+        exit_on_death: bool = False,
+        make_connector: Any = None,
+    ):
         """exit_on_death: when the loop dies, fail every request and exit the process
         (a server's choice: a supervisor restarts it; an engine that cannot step must not
-        live on as a zombie answering 503)."""
+        live on as a zombie answering 503). make_connector: see Engine."""
         self.config = config
+        self._make_connector = make_connector
         self.exit_on_death = exit_on_death
         self.exit_process = os._exit  # no cleanup: the loop is dead, peers' leases cover us
         self.model_dir = str(model_dir)
@@ -57,7 +70,11 @@ class AsyncEngine:
 
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(
-            Engine, self.config, self.model_dir, wake=self._wakeup.set
+            Engine,
+            self.config,
+            self.model_dir,
+            wake=self._wakeup.set,
+            make_connector=self._make_connector,
         )
         self.max_model_len = self.engine.max_model_len
         self.eos_token_ids = tuple(self.engine.spec.eos_token_ids)
@@ -121,9 +138,10 @@ class AsyncEngine:
         if connector is not None:
             connector.set_address(host, port)
 
-    def extra_routes(self) -> list[Any]:
+    def side_channel(self) -> dict[str, Any]:
+        """The connector's KV side-channel handlers (path -> handler), for the server."""
         connector = self.engine.connector if self.engine is not None else None
-        return connector.http_routes() if connector is not None else []
+        return connector.side_channel() if connector is not None else {}
 
     def _validate(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from disagg.config import EngineConfig
@@ -19,7 +20,9 @@ from disagg.engine.scheduler import Scheduler
 from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from disagg.kv.connector import KVConnector
+    from disagg.engine.kv_connector import KVConnector
+
+ConnectorFactory = Callable[..., "KVConnector"]
 
 __all__ = ["Engine"]
 
@@ -27,7 +30,17 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_dir: str, *, wake: object = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        *,
+        wake: object = None,
+        make_connector: ConnectorFactory | None = None,
+    ) -> None:
+        """`make_connector(config, runner, wake=...)` builds the KV connector of a prefill or
+        decode engine (the server passes disagg.kv.factory.make_connector): injected, so the
+        engine package never imports the kv package that implements its contract."""
         self.config = config
         if config.num_threads > 0:
             import torch
@@ -45,7 +58,7 @@ class Engine:
         self.block_pool = BlockPool(
             config.cache.num_blocks, enable_caching=config.scheduler.enable_prefix_caching
         )
-        self.connector = self._make_connector(wake)
+        self.connector = self._make_connector(make_connector, wake)
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_pool,
@@ -55,12 +68,13 @@ class Engine:
         )
         self.num_steps = 0
 
-    def _make_connector(self, wake: object) -> KVConnector | None:
+    def _make_connector(self, factory: ConnectorFactory | None, wake: object) -> KVConnector | None:
         if not self.config.kv_transfer.is_disaggregated:
             return None
-        from disagg.kv.factory import make_connector  # imports the transport only when needed
-
-        return make_connector(self.config, self.runner, wake=wake)
+        if factory is None:
+            role = self.config.kv_transfer.role
+            raise ValueError(f"a {role} engine needs a KV connector factory (make_connector)")
+        return factory(self.config, self.runner, wake=wake)
 
     def add_request(
         self,

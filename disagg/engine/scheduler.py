@@ -12,6 +12,7 @@ from collections import deque
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_cache_manager import KVCacheManager
+from disagg.engine.kv_connector import KVConnector
 from disagg.engine.outputs import (
     KVConnectorOutput,
     KVFailure,
@@ -20,7 +21,6 @@ from disagg.engine.outputs import (
     SchedulerOutput,
 )
 from disagg.engine.request import Request, RequestStatus
-from disagg.kv.connector import KVConnector
 from disagg.protocol import RequestOutput
 
 __all__ = ["Scheduler"]

@@ -7,6 +7,7 @@ Subclasses implement the KVConnector hooks; nothing here decides when bytes move
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -15,21 +16,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
-
-from aiohttp import web
 
 from disagg import auth
 from disagg.config import EngineConfig
 from disagg.engine.kv_cache_manager import cdiv
+from disagg.engine.kv_connector import KVConnector
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.engine.request import Request, RequestStatus
-from disagg.kv.connector import KVConnector
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
 from disagg.kv.transport import TransportError, make_transport
 
-__all__ = ["ConnectorBase", "HandshakeError", "post_json"]
+__all__ = ["ConnectorBase", "HandshakeError", "SideChannelError", "SideHandler", "post_json"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ _LISTEN_FAST_S = 0.00025
 _LISTEN_SLOW_S = 0.002
 _IDLE_LISTEN_INTERVAL_S = 0.01  # nothing pending at all: no notification is awaited
 _NUM_CALL_THREADS = 8
+
+
+SideHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class HandshakeError(RuntimeError):
@@ -149,29 +152,31 @@ class ConnectorBase(KVConnector):
             "stats": dict(self.stats),
         }
 
-    def http_routes(self) -> list[web.RouteDef]:
-        return [web.post("/kv/handshake", self._handle_handshake)]
+    def side_channel(self) -> dict[str, SideHandler]:
+        """POST path -> handler of this instance's KV side channel. The server mounts them
+        (server/kv_routes.py) behind its cluster-signature check; handlers take the JSON
+        body and return the JSON answer, or raise SideChannelError."""
+        return {"/kv/handshake": self._handle_handshake}
 
     # ------------------------------------------------------------------ handshake
 
-    async def _handle_handshake(self, request: web.Request) -> web.Response:
+    async def _handle_handshake(self, body: dict[str, Any]) -> dict[str, Any]:
         """A peer introduces itself: check compatibility, learn its transport metadata."""
         try:
-            body = await request.json()
             theirs = Compat.from_dict(body["compat"])
             metadata = unb64(body["metadata"])
         except (ValueError, KeyError, TypeError) as exc:
-            return _error(400, f"bad handshake: {exc}")
+            raise SideChannelError(400, f"bad handshake: {exc}") from exc
         reason = self.compat.mismatch(theirs, mine=self.role, theirs=str(body.get("role", "peer")))
         if reason is not None:
             self.stats["handshakes_refused"] += 1
             log.warning("refused handshake from %s: %s", body.get("engine_id"), reason)
-            return _error(409, reason)
+            raise SideChannelError(409, reason)
         try:
-            await _to_thread(self.transport.add_peer, metadata)
+            await asyncio.to_thread(self.transport.add_peer, metadata)
         except TransportError as exc:
-            return _error(502, f"cannot reach the peer's transport: {exc}")
-        return web.json_response(self._hello())
+            raise SideChannelError(502, f"cannot reach the peer's transport: {exc}") from exc
+        return self._hello()
 
     def _hello(self) -> dict[str, Any]:
         return {
@@ -340,12 +345,10 @@ _STAT_NAMES = (
 )
 
 
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "kv_handshake_error", "code": status}}
-    return web.json_response(body, status=status)
+class SideChannelError(Exception):
+    """A side-channel call refused: HTTP status and the reason the caller reads."""
 
-
-async def _to_thread(fn: Any, *args: Any) -> Any:
-    import asyncio
-
-    return await asyncio.to_thread(fn, *args)
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message

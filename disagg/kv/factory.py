@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.config import EngineConfig
-from disagg.kv.connector import KVConnector
+from disagg.engine.kv_connector import KVConnector
 
 __all__ = ["make_connector"]
 

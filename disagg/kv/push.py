@@ -17,15 +17,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.engine.request import Request
-from disagg.kv.common import ConnectorBase, HandshakeError, post_json
+from disagg.kv.common import (
+    ConnectorBase,
+    HandshakeError,
+    SideChannelError,
+    SideHandler,
+    post_json,
+)
 from disagg.kv.push_writer import PushWriter
 
 __all__ = ["PushConnector"]
 
+_MAX_REGISTRATION_TTL_S = 3600.0  # a registration P keeps longer than this is a mistake
 _NOTIFY_POLL_S = 0.0005  # decode side: slowest poll for write_done while a reservation waits
 
 
@@ -53,12 +58,12 @@ class PushConnector(ConnectorBase):
         elif self.role == "prefill":
             self._writer = PushWriter(self, self._control, self._stopping)
 
-    def http_routes(self) -> list[web.RouteDef]:
-        return [
-            *super().http_routes(),
-            web.post("/kv/register", self._handle_register),
-            web.post("/kv/cancel", self._handle_cancel),
-        ]
+    def side_channel(self) -> dict[str, SideHandler]:
+        return {
+            **super().side_channel(),
+            "/kv/register": self._handle_register,
+            "/kv/cancel": self._handle_cancel,
+        }
 
     # ================================================================== decode side
 
@@ -68,6 +73,12 @@ class PushConnector(ConnectorBase):
     def on_blocks_allocated(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
+        started = time.perf_counter()
+        self._reserve(request, block_ids)
+        # The only engine-loop work of a push handoff on D (the rest is on other threads).
+        request.breakdown.loop_blocked_s = time.perf_counter() - started
+
+    def _reserve(self, request: Request, block_ids: list[int]) -> None:
         params = request.kv_transfer_params
         assert params is not None
         tid, engine, host, port = (
@@ -222,28 +233,28 @@ class PushConnector(ConnectorBase):
             "connector": "push",
         }
 
-    async def _handle_register(self, request: web.Request) -> web.Response:
+    async def _handle_register(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            body = await request.json()
             tid, peer = str(body["transfer_id"]), str(body["engine_id"])
             block_ids = [int(b) for b in body["block_ids"]]
             ttl_s = float(body.get("ttl_s", self.kv_config.lease_s))
         except (ValueError, KeyError, TypeError) as exc:
-            return _error(400, f"bad registration: {exc}")
+            raise SideChannelError(400, f"bad registration: {exc}") from exc
+        if not 0 < ttl_s <= _MAX_REGISTRATION_TTL_S:  # NaN fails too
+            raise SideChannelError(400, f"ttl_s must be in (0, {_MAX_REGISTRATION_TTL_S}]")
         if self._writer is None:
-            return _error(400, "this instance is not a prefill instance")
+            raise SideChannelError(400, "this instance is not a prefill instance")
         self._writer.register(tid, peer, block_ids, ttl_s)
-        return web.json_response({"status": "registered"})
+        return {"status": "registered"}
 
-    async def _handle_cancel(self, request: web.Request) -> web.Response:
+    async def _handle_cancel(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            tid = str((await request.json())["transfer_id"])
-        except (ValueError, KeyError, TypeError) as exc:
-            return _error(400, f"bad cancel: {exc}")
+            tid = str(body["transfer_id"])
+        except (KeyError, TypeError) as exc:
+            raise SideChannelError(400, f"bad cancel: {exc}") from exc
         if self._writer is None:
-            return _error(400, "this instance is not a prefill instance")
-        state = await self._writer.cancel(tid, self.kv_config.transfer_timeout_s + 5)
-        return web.json_response({"state": state})
+            raise SideChannelError(400, "this instance is not a prefill instance")
+        return {"state": await self._writer.cancel(tid, self.kv_config.transfer_timeout_s + 5)}
 
     # ================================================================== both sides
 
@@ -304,9 +315,3 @@ class PushConnector(ConnectorBase):
             with self._lock:
                 info["pending"] = {"reservations": len(self._reservations)}
         return info
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "kv_error", "code": status}}, status=status
-    )

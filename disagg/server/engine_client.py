@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
+from disagg.protocol import (
+    EngineOverloadedError,
+    KVTransferParams,
+    RequestOutput,
+    SamplingParams,
+)
 
 __all__ = ["EngineClient", "EngineOverloadedError"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine cannot take this request now (e.g. a push reservation cannot be satisfied)."""
 
 
 class EngineClient(Protocol):

@@ -55,6 +55,7 @@ _FLAGS: tuple[tuple[type, str, str], ...] = (
     (KVTransferConfig, "reservation_timeout_s", "--reservation-timeout-s"),
     (KVTransferConfig, "transfer_timeout_s", "--transfer-timeout-s"),
     (KVTransferConfig, "failure_policy", "--failure-policy"),
+    (KVTransferConfig, "pull_setup", "--pull-setup"),
     (KVTransferConfig, "cluster_token", "--cluster-token"),
 )
 
@@ -123,14 +124,17 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) -> None:
     from disagg.engine.async_engine import AsyncEngine
     from disagg.server.app import make_app, start_server
+    from disagg.server.kv_routes import kv_routes
     from disagg.tokenizer import Tokenizer
 
     stop = _stop_event()  # first: a signal during the (long) engine start still shuts down cleanly
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = AsyncEngine(config, model_dir, exit_on_death=True)
+    from disagg.kv.factory import make_connector  # the transport loads only when used
+
+    engine = AsyncEngine(config, model_dir, exit_on_death=True, make_connector=make_connector)
     await engine.start()
     try:
-        extra_routes = engine.extra_routes() if hasattr(engine, "extra_routes") else ()
+        extra_routes = kv_routes(engine.side_channel())
         app = make_app(
             engine,
             tokenizer,

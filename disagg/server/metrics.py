@@ -24,6 +24,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
+# Engine-loop stalls: a dict update is microseconds, an inline READ post of a long prompt tens
+# of milliseconds.
+_LOOP_BUCKETS_S = (
+    1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0,
+)  # fmt: skip
 _DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 _BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 # engine.load() key -> (gauge name, help)
@@ -58,6 +63,12 @@ class ServerMetrics:
             "TTFT breakdown: time per critical-path stage (queue, prefill, handoff_setup, ...)",
             ["stage"],
             buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._loop_blocked = Histogram(
+            "disagg_kv_loop_blocked_seconds",
+            "Engine-loop time spent on one request's KV handoff (every running decode waits)",
+            buckets=_LOOP_BUCKETS_S,
             registry=r,
         )
         self._descriptors = Histogram(
@@ -97,8 +108,10 @@ class ServerMetrics:
 
     def _observe_breakdown(self, breakdown: TTFTBreakdown) -> None:
         for name, value in breakdown.to_dict().items():
-            if name.endswith("_s"):
+            if name.endswith("_s") and name != "loop_blocked_s":
                 self._stage.labels(stage=name.removesuffix("_s")).observe(value)
+        if breakdown.loop_blocked_s is not None:
+            self._loop_blocked.observe(breakdown.loop_blocked_s)
         if breakdown.num_descriptors is not None:
             self._descriptors.observe(breakdown.num_descriptors)
         if breakdown.num_bytes is not None:

@@ -38,9 +38,11 @@ from tests.e2e.cluster import (
 
 pytestmark = pytest.mark.slow
 
+# "pull" is the default background setup; "pull-inline" posts READs on D's engine loop.
 PULL_NIXL, PULL_TCP = ("pull", "nixl"), ("pull", "tcp")
+PULL_INLINE_NIXL = ("pull-inline", "nixl")
 PUSH_NIXL, PUSH_TCP = ("push", "nixl"), ("push", "tcp")
-PAIRS = [PULL_NIXL, PULL_TCP, PUSH_NIXL, PUSH_TCP]
+PAIRS = [PULL_NIXL, PULL_TCP, PULL_INLINE_NIXL, PUSH_NIXL, PUSH_TCP]
 # Push prefill runs chunks of 32 tokens, so a long prompt's prefill spans many engine steps and
 # D's registration reliably arrives before it ends.
 PUSH_PREFILL_ARGS = ("--max-num-batched-tokens", "32")
@@ -89,13 +91,15 @@ def pair(request: pytest.FixtureRequest, cluster: Cluster, aggregated: Proc) -> 
     at a time."""
     mode, transport = request.param
     name = f"{mode}-{transport}"
+    connector = mode.removesuffix("-inline")
     extra = PUSH_PREFILL_ARGS if mode == "push" else ()
-    common = {"connector": mode, "transport": transport}
+    decode_args = ["--pull-setup", "inline"] if mode == "pull-inline" else []
+    common = {"connector": connector, "transport": transport}
     prefill = cluster.serve(f"prefill-{name}", role="prefill", args=extra, **common)
-    decode = cluster.serve(f"decode-{name}", role="decode", **common)
+    decode = cluster.serve(f"decode-{name}", role="decode", args=decode_args, **common)
     extras = _start_extras(request, cluster, mode, transport)
     cluster.wait_ready()
-    router = cluster.route(f"router-{name}", [prefill], [decode], mode=mode)
+    router = cluster.route(f"router-{name}", [prefill], [decode], mode=connector)
     yield Pair(mode, transport, prefill, decode, router, extras)
     cluster.stop(router, prefill, decode, *extras.values())
 
@@ -108,7 +112,7 @@ def _start_extras(
     if mode == "push":
         late = ["--kv-fault", "delay_register:1.0"]
         return {"late": cluster.serve(f"decode-late-{transport}", args=late, **common)}
-    if transport != "nixl":
+    if mode != "pull" or transport != "nixl":
         return {}
     three_layers = request.getfixturevalue("three_layer_dir")
     return {

@@ -8,14 +8,16 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from disagg.config import CacheConfig, EngineConfig, KVTransferConfig
+from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
 from disagg.kv.pull import PullConnector
 from disagg.protocol import KVTransferParams, SamplingParams
 
 
-def _connector() -> tuple[PullConnector, np.ndarray]:
+def _connector(setup: str) -> tuple[PullConnector, np.ndarray]:
     buffer = np.zeros(8 * 1024, np.uint8)
     runner = SimpleNamespace(
         kv_base_addr=buffer.ctypes.data,
@@ -33,7 +35,11 @@ def _connector() -> tuple[PullConnector, np.ndarray]:
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=8),
         kv_transfer=KVTransferConfig(
-            role="decode", connector="pull", transport="local", cluster_token="t" * 16
+            role="decode",
+            connector="pull",
+            transport="local",
+            cluster_token="t" * 16,
+            pull_setup=setup,
         ),
     )
     return PullConnector(config, runner), buffer
@@ -59,8 +65,18 @@ def _request(lease_s: float, age_s: float) -> Request:
     )
 
 
-def test_read_after_the_lease_fails_without_posting() -> None:
-    connector, _ = _connector()
+def _failed(connector: PullConnector) -> KVConnectorOutput:
+    """get_finished() until a failure is reported (the background reader runs on its thread)."""
+    deadline = time.monotonic() + 5.0
+    while not (out := connector.get_finished()).failed:
+        assert time.monotonic() < deadline, "no failure reported"
+        time.sleep(0.005)
+    return out
+
+
+@pytest.mark.parametrize("setup", ["inline", "background"])
+def test_read_after_the_lease_fails_without_posting(setup: str) -> None:
+    connector, _ = _connector(setup)
     try:
         ready: Future[str] = Future()
         ready.set_result("p")
@@ -68,21 +84,22 @@ def test_read_after_the_lease_fails_without_posting() -> None:
         request = _request(lease_s=2.0, age_s=5.0)  # arrived 5 s ago: the lease has run out
         connector.on_blocks_allocated(request, [4, 5], 6)
         connector.start_load(connector.build_meta())
-        out = connector.get_finished()
-        assert "lease" in out.failed["r"].reason and not connector._in_flight
+        out = _failed(connector)
+        assert "lease" in out.failed["r"].reason and not connector.reader.blocks_in_use()
     finally:
         connector.close()
 
 
-def test_read_within_the_lease_is_posted() -> None:
-    connector, _ = _connector()
+@pytest.mark.parametrize("setup", ["inline", "background"])
+def test_read_within_the_lease_is_posted(setup: str) -> None:
+    connector, _ = _connector(setup)
     try:
         ready: Future[str] = Future()
         ready.set_result("missing-peer")  # posting to an unknown peer fails in the transport
         connector._peers["p"] = ready
         connector.on_blocks_allocated(_request(lease_s=30.0, age_s=0.0), [4, 5], 6)
         connector.start_load(connector.build_meta())
-        out = connector.get_finished()
+        out = _failed(connector)
         assert "lease" not in out.failed["r"].reason  # it got as far as the transport
     finally:
         connector.close()

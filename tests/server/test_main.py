@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import requests
-from aiohttp import web
 
 from disagg import auth
 from disagg.config import EngineConfig
@@ -61,7 +60,9 @@ class _FakeAsyncEngine(FakeEngine):
 
     instances: list[_FakeAsyncEngine] = []
 
-    def __init__(self, config: EngineConfig, model_dir: Any, *, exit_on_death: bool) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Any, *, exit_on_death: bool, make_connector: Any
+    ) -> None:
         super().__init__(output_ids=[40, 41, 42], model_name=config.model_name)
         assert exit_on_death, "a served engine must exit when its loop dies"
         self.model_dir = Path(model_dir)
@@ -77,11 +78,11 @@ class _FakeAsyncEngine(FakeEngine):
     def set_address(self, host: str, port: int) -> None:
         self.events.append("address")
 
-    def extra_routes(self) -> list[web.RouteDef]:
-        async def ping(request: web.Request) -> web.Response:
-            return web.json_response({"pong": True})
+    def side_channel(self) -> dict[str, Any]:
+        async def ping(body: dict[str, Any]) -> dict[str, Any]:
+            return {"pong": body.get("n")}
 
-        return [web.get("/kv/ping", ping)]
+        return {"/kv/ping": ping}
 
 
 def _free_port() -> int:
@@ -108,10 +109,15 @@ def test_serve_until_sigterm(
             wait_until(lambda: _is_up(url), timeout_s=10)
             body = {"prompt": "Paris", "max_tokens": 2}
             seen["completion"] = requests.post(f"{url}/v1/completions", json=body, timeout=5)
-            seen["unsigned"] = requests.get(f"{url}/kv/ping", timeout=5).status_code
-            signature = auth.sign(_TOKEN, "GET", "/kv/ping", b"")
-            headers = {auth.SIGNATURE_HEADER: signature}
-            seen["extra"] = requests.get(f"{url}/kv/ping", headers=headers, timeout=5).json()
+            data = b'{"n": 1}'
+            seen["unsigned"] = requests.post(f"{url}/kv/ping", data=data, timeout=5).status_code
+            headers = {auth.SIGNATURE_HEADER: auth.sign(_TOKEN, "POST", "/kv/ping", data)}
+            answer = requests.post(f"{url}/kv/ping", data=data, headers=headers, timeout=5)
+            seen["extra"] = answer.json()
+            seen["answer_signed"] = not auth.verify(
+                _TOKEN, answer.headers.get(auth.SIGNATURE_HEADER), auth.ANSWER, "/kv/ping",
+                answer.content,
+            )  # fmt: skip
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # always, so run() cannot hang
 
@@ -124,7 +130,7 @@ def test_serve_until_sigterm(
     assert engine.events == ["start", "address", "shutdown"]
     assert engine.model_dir == tokenizer_dir
     assert seen["completion"].status_code == 200 and seen["completion"].json()["model"] == "t"
-    assert seen["extra"] == {"pong": True}
+    assert seen["extra"] == {"pong": 1} and seen["answer_signed"]
     assert seen["unsigned"] == 401  # internal routes: cluster-signed calls only
     assert f"disagg serve ready on http://127.0.0.1:{port}\n" in capsys.readouterr().out
 
