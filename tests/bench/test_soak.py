@@ -1,6 +1,6 @@
 """benchmarks/soak.py runs a short soak end to end on the tiny checkpoint and passes its checks.
 
-Fifteen seconds of load over real push and pull clusters (the kill included): the script's own
+Ten seconds of load over real push and pull clusters (the kill included): the script's own
 exit status says nothing hung, no 200 had wrong text, every bad input got a proper 4xx and every
 surviving pool is full again; the JSON it writes is the last stdout line.
 """
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_short_soak_passes_its_checks(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    args = ["--duration-s", "15", "--concurrency", "2", "--client-timeout-s", "20"]
+    args = ["--duration-s", "10", "--concurrency", "2", "--client-timeout-s", "20"]
     args += ["--model", str(tiny_qwen3_dir)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "soak.py"), *args, "--out", str(out)],
