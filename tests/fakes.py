@@ -7,7 +7,7 @@ import itertools
 
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
-from disagg.engine.kv_connector import KVConnector
+from disagg.engine.kv_connector import KVConnectorScheduler
 from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
@@ -48,7 +48,7 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
-    connector: KVConnector | None = None,
+    connector: KVConnectorScheduler | None = None,
     eos_token_ids: tuple[int, ...] = (0,),
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -73,11 +73,13 @@ class FakeRunner:
         )
 
 
-class FakeConnector(KVConnector):
-    """Remote prefill: every prompt token comes from remote; loads finish after `delay` polls.
+class FakeConnector(KVConnectorScheduler):
+    """Both halves in one, for scheduler tests (run_step plays the engine's part).
+    Remote prefill: every prompt token comes from remote; loads finish after `delay` polls.
     Remote decode: keeps blocks; sends finish after `delay` polls."""
 
     def __init__(self, delay: int = 1, fail: set[str] | None = None) -> None:
+        super().__init__(block_size=4)
         self.delay = delay
         self.fail = fail or set()
         self.loading: dict[str, int] = {}
@@ -95,9 +97,12 @@ class FakeConnector(KVConnector):
         self.new_loads.append(request.request_id)
         self.block_ids[request.request_id] = list(block_ids)
 
-    def build_meta(self) -> object:
+    def build_meta(self) -> object:  # type: ignore[override]  # ids are enough here
         meta, self.new_loads = self.new_loads, []
         return meta
+
+    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict:
+        return {"do_remote_prefill": True, "remote_block_ids": block_ids}
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
         if request.is_remote_decode and request.finish_status.name != "FINISHED_ABORTED":

@@ -127,20 +127,20 @@ class AsyncEngine:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     def kv_info(self) -> dict[str, Any]:
-        connector = self.engine.connector if self.engine is not None else None
+        connector = self.engine.kv_worker if self.engine is not None else None
         if connector is None:
             return {"role": "both", "model": self.model_name}
         return connector.info()
 
     def set_address(self, host: str, port: int) -> None:
         """The HTTP address peers use for the KV side channel (known once the server listens)."""
-        connector = self.engine.connector if self.engine is not None else None
+        connector = self.engine.kv_worker if self.engine is not None else None
         if connector is not None:
             connector.set_address(host, port)
 
     def side_channel(self) -> dict[str, Any]:
         """The connector's KV side-channel handlers (path -> handler), for the server."""
-        connector = self.engine.connector if self.engine is not None else None
+        connector = self.engine.kv_worker if self.engine is not None else None
         return connector.side_channel() if connector is not None else {}
 
     def _validate(
@@ -224,7 +224,7 @@ class AsyncEngine:
         """Only KV in flight: poll the loop's own transfers often; anything the connector's
         threads learn wakes us through report(), so otherwise sleep (deadlines checked at
         _IDLE_WAIT_S). Spinning empty steps here took a core from the prefill next door."""
-        connector = self.engine.connector
+        connector = self.engine.kv_worker
         polls = connector is not None and connector.needs_loop_poll()
         self._wakeup.wait(_KV_POLL_S if polls else _IDLE_WAIT_S)
         self._wakeup.clear()

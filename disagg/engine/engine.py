@@ -20,9 +20,14 @@ from disagg.engine.scheduler import Scheduler
 from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from disagg.engine.kv_connector import KVConnector
+    from disagg.engine.kv_connector import (
+        KVConnectorMeta,
+        KVConnectorScheduler,
+        KVConnectorWorker,
+    )
 
-ConnectorFactory = Callable[..., "KVConnector"]
+# (config, runner, wake=...) -> (scheduler half, worker half)
+ConnectorFactory = Callable[..., "tuple[KVConnectorScheduler, KVConnectorWorker]"]
 
 __all__ = ["Engine"]
 
@@ -38,9 +43,10 @@ class Engine:
         wake: object = None,
         make_connector: ConnectorFactory | None = None,
     ) -> None:
-        """`make_connector(config, runner, wake=...)` builds the KV connector of a prefill or
-        decode engine (the server passes disagg.kv.factory.make_connector): injected, so the
-        engine package never imports the kv package that implements its contract."""
+        """`make_connector(config, runner, wake=...)` builds the two halves of a prefill or
+        decode engine's KV connector (the server passes disagg.kv.factory.make_connector):
+        injected, so the engine package never imports the kv package that implements its
+        contract. The scheduler half goes to the Scheduler; the worker half is `kv_worker`."""
         self.config = config
         if config.num_threads > 0:
             import torch
@@ -58,19 +64,21 @@ class Engine:
         self.block_pool = BlockPool(
             config.cache.num_blocks, enable_caching=config.scheduler.enable_prefix_caching
         )
-        self.connector = self._make_connector(make_connector, wake)
+        kv_scheduler, self.kv_worker = self._make_connector(make_connector, wake)
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_pool,
             config.cache.block_size,
             eos_token_ids=tuple(self.spec.eos_token_ids),
-            connector=self.connector,
+            connector=kv_scheduler,
         )
         self.num_steps = 0
 
-    def _make_connector(self, factory: ConnectorFactory | None, wake: object) -> KVConnector | None:
+    def _make_connector(
+        self, factory: ConnectorFactory | None, wake: object
+    ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
         if not self.config.kv_transfer.is_disaggregated:
-            return None
+            return None, None
         if factory is None:
             role = self.config.kv_transfer.role
             raise ValueError(f"a {role} engine needs a KV connector factory (make_connector)")
@@ -104,17 +112,24 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule(time.monotonic())
-        if self.connector is not None:
-            self.connector.start_load(sched.kv_meta)  # pull: READ posted here, inline
+        self._start_kv(sched.kv_meta)  # inline pull: READs are posted here, on the loop
         runner_out = self._execute(sched)
-        if self.connector is not None:
-            runner_out.kv = self.connector.get_finished()
+        if self.kv_worker is not None:
+            runner_out.kv = self.kv_worker.get_finished()
         self.num_steps += 1
-        return self.scheduler.update(sched, runner_out, time.monotonic())
+        outputs = self.scheduler.update(sched, runner_out, time.monotonic())
+        # Sends and aborts that update() raised reach the worker before the outputs leave.
+        self._start_kv(self.scheduler.take_kv_meta())
+        return outputs
+
+    def _start_kv(self, meta: KVConnectorMeta | None) -> None:
+        if self.kv_worker is not None and meta is not None and not meta.is_empty:
+            self.kv_worker.start_load(meta)
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs produced between steps (an abort while idle): publish them now, or the
         aborted client waits for the next step that may never come."""
+        self._start_kv(self.scheduler.take_kv_meta())  # the aborts, for the worker
         return self.scheduler.take_pending_outputs()
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -129,5 +144,5 @@ class Engine:
             return RunnerOutput(failed=dict.fromkeys(ids, reason))
 
     def close(self) -> None:
-        if self.connector is not None:
-            self.connector.close()
+        if self.kv_worker is not None:
+            self.kv_worker.close()

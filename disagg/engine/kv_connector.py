@@ -1,78 +1,175 @@
-"""The KV connector contract: the hooks the engine calls, whatever the handoff mode.
+"""The KV connector contract, in two halves (as vLLM v1 splits its connectors):
 
-One object, two roles (as vLLM's): the scheduler side decides and records (pure bookkeeping,
-called from `Scheduler`), the worker side moves bytes (called from the engine loop once per
-step). The engine never knows whether it runs pull or push.
+- `KVConnectorScheduler`, called by the Scheduler: pure bookkeeping (no threads, no I/O, no
+  clock). It decides what a handoff is, answers "may a transfer still touch these blocks?",
+  and hands the worker plain ids in a `KVConnectorMeta` once per step.
+- `KVConnectorWorker`, called by the Engine on the loop thread (`start_load`, `get_finished`):
+  transport, threads, side channel. It reports back only through `KVConnectorOutput`.
+
+The halves share nothing but those two dataclasses; the engine never knows pull from push.
+
+    Scheduler --(KVConnectorMeta: receives, sends, aborts)--> Worker      (once per step)
+    Scheduler <--(KVConnectorOutput: finished, failed, settled)-- Worker  (once per step)
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.engine.outputs import KVConnectorOutput
-from disagg.engine.request import Request
+from disagg.engine.request import Request, RequestStatus
+from disagg.protocol import KVTransferParams
 
-__all__ = ["KVConnector"]
+__all__ = [
+    "KVConnectorMeta",
+    "KVConnectorScheduler",
+    "KVConnectorWorker",
+    "KVReceive",
+    "KVSend",
+]
 
 
-class KVConnector(abc.ABC):
-    # ------------------------------------------------------------------ scheduler side
+_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
-    @abc.abstractmethod
+
+@dataclass(frozen=True, slots=True)
+class KVReceive:
+    """Decode side: blocks reserved for a prompt whose KV comes from a prefill instance."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # ours, the prompt's blocks in order (first ones of the request)
+    params: KVTransferParams  # the router's: which prefill instance, its blocks or transfer id
+    arrival_s: float  # engine clock at arrival (a pull lease counts from P's answer)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSend:
+    """Prefill side: a finished prefill whose KV a decode instance will take."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # ours, holding the prompt's KV
+    first_token_id: int  # sampled here; the decode instance emits it first
+    params: KVTransferParams  # the router's (push: transfer id and the decode engine named)
+
+
+@dataclass(slots=True)
+class KVConnectorMeta:
+    """What the worker must start this step. Plain ids and the router's params only."""
+
+    receives: list[KVReceive] = field(default_factory=list)
+    sends: list[KVSend] = field(default_factory=list)
+    # Requests that left a KV state early (abort, failure, recompute). For each, the worker
+    # reports the id in `settled` once no transfer can touch its blocks (at once if none can).
+    aborts: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.receives or self.sends or self.aborts)
+
+
+class KVConnectorScheduler(abc.ABC):
+    """Pure: the Scheduler's view of handoffs. Subclasses say what a finished prefill returns."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._meta = KVConnectorMeta()
+        self._active: dict[str, tuple[int, ...]] = {}  # request id -> blocks a transfer may touch
+
     def get_num_new_matched_tokens(self, request: Request) -> int:
-        """Called once when a waiting request is first scheduled. Returns how many prompt
-        tokens will arrive from a remote instance (0 = compute locally). Must not mutate."""
+        """Prompt tokens whose KV arrives from remote (0 = compute locally). Does not mutate."""
+        return request.num_prompt_tokens if request.needs_remote_kv else 0
 
-    @abc.abstractmethod
     def on_blocks_allocated(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: list[int], num_external: int
     ) -> None:
-        """The scheduler reserved `block_ids` for a request whose KV comes from remote; the
-        request is now WAITING_FOR_REMOTE_KV. Record what to load (pull) or register the
-        reservation with the prefill instance (push)."""
+        """The request is WAITING_FOR_REMOTE_KV with `block_ids` reserved: queue the receive."""
+        assert request.kv_transfer_params is not None
+        blocks = tuple(block_ids[: self.num_prompt_blocks(request)])
+        self._active[request.request_id] = blocks
+        receive = KVReceive(
+            request.request_id, blocks, request.kv_transfer_params, request.arrival_s
+        )
+        self._meta.receives.append(receive)
 
-    @abc.abstractmethod
-    def build_meta(self) -> object:
-        """Called at the end of schedule(): the work the worker side must start this step
-        (or None). Clears what it returns."""
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """A prefill finished. (keep_blocks, params): keep means WAITING_FOR_KV_SEND until
+        the worker reports it in finished_sending; params go back as kv_transfer_params."""
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_decode or not self.accepts(params):
+            return False, None
+        if request.finish_status in _NOT_SENT:
+            return False, None  # aborted or failed: nobody will take its KV
+        blocks = tuple(request.block_ids[: self.num_prompt_blocks(request)])
+        first = request.output_token_ids[0]
+        self._active[request.request_id] = blocks
+        self._meta.sends.append(KVSend(request.request_id, blocks, first, params))
+        return True, self.finished_params(request, list(blocks), first)
 
-    @abc.abstractmethod
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
-        """A request finished computing (or was aborted). Returns (keep_blocks, params):
-        keep_blocks=True means the scheduler holds its blocks in WAITING_FOR_KV_SEND until
-        a later get_finished() reports it in finished_sending; params go back to the caller
-        as `kv_transfer_params`."""
-
-    @abc.abstractmethod
     def request_aborted(self, request: Request) -> bool:
-        """A request in WAITING_FOR_REMOTE_KV or WAITING_FOR_KV_SEND leaves that state early
-        (aborted, failed, or sent back to prefill locally). Returns True if a transfer
-        touching its blocks may still be in flight: the scheduler then keeps the blocks until
-        get_finished() reports the id in `settled`, and only then reuses them."""
+        """The request leaves a KV state early. True if a transfer may still touch its blocks:
+        the scheduler holds them in `draining` until the worker reports the id `settled`."""
+        if request.request_id not in self._active:
+            return False
+        self._meta.aborts.append(request.request_id)
+        return True
 
-    # ------------------------------------------------------------------ worker side
+    def update_state(self, output: KVConnectorOutput) -> None:
+        """What the worker reported this step: transfers that ended no longer hold blocks."""
+        for request_id in output.finished_recving | output.finished_sending | output.settled:
+            self._active.pop(request_id, None)
+
+    def build_meta(self) -> KVConnectorMeta:
+        """Called at the end of schedule(): this step's work for the worker, cleared."""
+        meta, self._meta = self._meta, KVConnectorMeta()
+        return meta
+
+    def blocks_in_use(self) -> set[int]:
+        """Blocks a transfer may touch. Invariant (Scheduler.check_integrity): never free."""
+        return {b for blocks in self._active.values() for b in blocks}
+
+    def num_prompt_blocks(self, request: Request) -> int:
+        return -(-request.num_prompt_tokens // self.block_size)
+
+    def accepts(self, params: KVTransferParams) -> bool:
+        """Whether a do_remote_decode request can be handed off under this mode."""
+        return True
 
     @abc.abstractmethod
-    def start_load(self, meta: object) -> None:
-        """Start the loads in `meta` (from build_meta) on the engine loop."""
+    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict[str, Any]:
+        """The kv_transfer_params a finished prefill returns to the router."""
+
+
+class KVConnectorWorker(abc.ABC):
+    """The engine loop's side: moves bytes, owns threads and the side channel."""
+
+    @abc.abstractmethod
+    def start_load(self, meta: KVConnectorMeta) -> None:
+        """Engine loop, once per step, right after schedule(): start what `meta` asks."""
 
     @abc.abstractmethod
     def get_finished(self) -> KVConnectorOutput:
-        """Non-blocking poll, once per step: transfers finished or failed since last call."""
+        """Engine loop, once per step: what finished, failed or settled since the last call."""
 
     @abc.abstractmethod
     def has_pending(self) -> bool:
-        """True while any transfer or reservation is outstanding (the loop keeps polling)."""
-
-    def blocks_in_use(self) -> set[int]:
-        """Blocks a transfer touches now or may touch later. Invariant (checked by
-        Scheduler.check_integrity): each is held by a request or by `draining`, never free."""
-        return set()
+        """True while any transfer, lease or reservation is outstanding."""
 
     def needs_loop_poll(self) -> bool:
         """True while the engine loop must poll transfers itself (it then sleeps only briefly
-        between empty steps); False when every result arrives by report() and wake-up."""
+        between empty steps); False when every result arrives by a wake-up."""
         return False
 
+    def side_channel(self) -> dict[str, Any]:
+        """POST path -> async handler(JSON body) -> JSON answer; the server mounts them."""
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def set_address(self, host: str, port: int) -> None:  # noqa: B027 - optional hook
+        """The HTTP address peers reach this instance's side channel on."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Stop background threads and release the transport."""
+        """Stop threads and release the transport."""

@@ -61,6 +61,9 @@ class KVConnectorOutput:
     # touch them: it has now ended (or was proven never to start); the blocks may be reused.
     settled: set[str] = field(default_factory=set)
     first_token_ids: dict[str, int] = field(default_factory=dict)  # push: P's sampled token
+    # TTFTBreakdown fields the worker measured, by request (handoff_setup_s, transfer_s,
+    # loop_blocked_s, num_descriptors, num_bytes): the scheduler copies them into the request.
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +73,7 @@ class KVConnectorOutput:
             or self.failed
             or self.settled
             or self.first_token_ids
+            or self.stages
         )
 
 

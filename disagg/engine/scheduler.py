@@ -12,7 +12,7 @@ from collections import deque
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_cache_manager import KVCacheManager
-from disagg.engine.kv_connector import KVConnector
+from disagg.engine.kv_connector import KVConnectorMeta, KVConnectorScheduler
 from disagg.engine.outputs import (
     KVConnectorOutput,
     KVFailure,
@@ -34,7 +34,7 @@ class Scheduler:
         block_size: int,
         *,
         eos_token_ids: tuple[int, ...] = (),
-        connector: KVConnector | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.block_pool = block_pool
@@ -219,6 +219,13 @@ class Scheduler:
         return None
 
     def _apply_kv(self, kv: KVConnectorOutput, now: float) -> None:
+        if self.connector is not None:
+            self.connector.update_state(kv)
+        for request_id, stages in kv.stages.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                for name, value in stages.items():
+                    setattr(request.breakdown, name, value)
         for request_id in kv.finished_recving:
             self._on_kv_received(request_id, kv.first_token_ids.get(request_id), now)
         for request_id, failure in kv.failed.items():
@@ -357,6 +364,11 @@ class Scheduler:
             error=request.error,
             breakdown=request.breakdown,
         )
+
+    def take_kv_meta(self) -> KVConnectorMeta | None:
+        """The connector's work raised since schedule() (sends and aborts from update() or
+        from an abort between steps), for the worker."""
+        return self.connector.build_meta() if self.connector is not None else None
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         """Outputs produced outside update() (aborts between steps), cleared."""

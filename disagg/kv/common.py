@@ -18,18 +18,24 @@ import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from disagg import auth
 from disagg.config import EngineConfig
-from disagg.engine.kv_cache_manager import cdiv
-from disagg.engine.kv_connector import KVConnector
+from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
-from disagg.engine.request import Request, RequestStatus
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
 from disagg.kv.transport import TransportError, make_transport
 
-__all__ = ["ConnectorBase", "HandshakeError", "SideChannelError", "SideHandler", "post_json"]
+__all__ = [
+    "ConnectorBase",
+    "HandshakeError",
+    "KVIdentity",
+    "SideChannelError",
+    "SideHandler",
+    "post_json",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +52,17 @@ _NUM_CALL_THREADS = 8
 SideHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
+@dataclass(slots=True)
+class KVIdentity:
+    """Who this instance is on the KV side channel; both connector halves read it."""
+
+    engine_id: str
+    host: str
+    port: int | None = None  # set once the server listens
+
+
 class HandshakeError(RuntimeError):
     """The peer refused us (incompatible) or could not be reached."""
-
-
-_NOT_SENT = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 def post_json(
@@ -92,7 +104,7 @@ def _model_fingerprint(runner: Any) -> str:
     )
 
 
-class ConnectorBase(KVConnector):
+class ConnectorBase(KVConnectorWorker):
     def __init__(self, config: EngineConfig, runner: Any, *, wake: Any = None) -> None:
         kv = config.kv_transfer
         self.config = config
@@ -100,9 +112,7 @@ class ConnectorBase(KVConnector):
         self.role = kv.role
         self.mode = kv.connector
         self.block_size = config.cache.block_size
-        self.engine_id = kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}"
-        self.host = kv.host
-        self.port: int | None = None  # HTTP side channel, set once the server listens
+        self.identity = KVIdentity(kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}", kv.host)
         self._wake = wake or (lambda: None)
         self.secret = kv.cluster_token  # signs the side channel; authenticates tcp peers
         self.transport = make_transport(
@@ -135,8 +145,20 @@ class ConnectorBase(KVConnector):
 
     # ------------------------------------------------------------------ identity
 
+    @property
+    def engine_id(self) -> str:
+        return self.identity.engine_id
+
+    @property
+    def host(self) -> str:
+        return self.identity.host
+
+    @property
+    def port(self) -> int | None:
+        return self.identity.port
+
     def set_address(self, host: str, port: int) -> None:
-        self.port = port
+        self.identity.port = port
 
     def info(self) -> dict[str, Any]:
         return {
@@ -217,18 +239,6 @@ class ConnectorBase(KVConnector):
         self.stats["handshake_s_total"] += time.monotonic() - started
         return name
 
-    # ------------------------------------------------------------------ request facts
-
-    def num_prompt_blocks(self, request: Request) -> int:
-        """Blocks holding the prompt's KV: what a handoff moves."""
-        return cdiv(request.num_prompt_tokens, self.block_size)
-
-    @staticmethod
-    def sends_kv(request: Request) -> bool:
-        """A prefill-side request whose KV goes to a decode instance: not if it was aborted or
-        failed (nobody will read it)."""
-        return request.is_remote_decode and request.finish_status not in _NOT_SENT
-
     # ------------------------------------------------------------------ reporting
 
     def report(
@@ -239,9 +249,12 @@ class ConnectorBase(KVConnector):
         failed: tuple[str, KVFailure] | None = None,
         settled: str | None = None,
         first_token: tuple[str, int] | None = None,
+        breakdown: tuple[str, dict[str, float]] | None = None,
     ) -> None:
         """Thread-safe: queue a result for the next get_finished() on the engine loop."""
         with self._lock:
+            if breakdown is not None:
+                self._report.stages.setdefault(breakdown[0], {}).update(breakdown[1])
             if sent is not None:
                 self._report.finished_sending.add(sent)
             if received is not None:

@@ -1,20 +1,26 @@
-"""Build the KV connector a deployment asks for (pull or push) around the runner's KV tensor."""
+"""Build the two halves of the KV connector a deployment asks for (pull or push) around the
+runner's KV tensor: the pure scheduler half for the Scheduler, the worker half for the Engine."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from disagg.config import EngineConfig
-from disagg.engine.kv_connector import KVConnector
+from disagg.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
 
 __all__ = ["make_connector"]
 
 
-def make_connector(config: EngineConfig, runner: Any, *, wake: Any = None) -> KVConnector:
+def make_connector(
+    config: EngineConfig, runner: Any, *, wake: Any = None
+) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
+    block_size = config.cache.block_size
     if config.kv_transfer.connector == "pull":
-        from disagg.kv.pull import PullConnector
+        from disagg.kv.pull import PullScheduler, PullWorker
 
-        return PullConnector(config, runner, wake=wake)
-    from disagg.kv.push import PushConnector
+        pull = PullWorker(config, runner, wake=wake)
+        return PullScheduler(block_size, pull.identity, config.kv_transfer.lease_s), pull
+    from disagg.kv.push import PushScheduler, PushWorker
 
-    return PushConnector(config, runner, wake=wake)
+    push = PushWorker(config, runner, wake=wake)
+    return PushScheduler(block_size, push.identity), push

@@ -1,14 +1,16 @@
-"""Pull (late binding), as vLLM's default NIXL connector does it.
+"""Pull (late binding), as vLLM's default NIXL connector does it, in two halves.
 
-Prefill side: keep a finished request's blocks under a lease and return their ids and our
-address; free them on the decode side's `read_done` notification (it rides on the READ), on its
-`/kv/release` (no READ will come, or it ended), or when the lease expires. An abort does not end
-the lease: NIXL reads are one-sided, so a READ may be under way whatever P decides.
-Decode side (pull_reader.py): once blocks are allocated, handshake with P in the background on
-first contact, then build descriptors, post the READ and poll it — with `--pull-setup inline` on
-the engine loop in `start_load()`/`get_finished()` (vLLM's pull: the latency tax the published
-comparison measures), with `background` (the default) on the reader's own thread, so the router
-still binds D late but D's running decodes never wait for a handoff.
+`PullScheduler` (pure): a finished prefill keeps its blocks (WAITING_FOR_KV_SEND) and returns
+their ids and our address; a decode request's reserved blocks become a receive for the worker.
+`PullWorker` (transport, threads, side channel):
+- prefill side: holds each sent prefill's blocks under a lease and frees them on the decode
+  side's `read_done` (it rides on the READ), on its `/kv/release` (no READ will come, or it
+  ended), or when the lease expires. An abort does not end the lease: NIXL reads are
+  one-sided, so a READ may be under way whatever P decides.
+- decode side (pull_reader.py): handshake with P in the background on first contact, then
+  build descriptors, post the READ and poll it — with `--pull-setup inline` on the engine loop
+  (vLLM's pull: the tax the published comparison measures), with `background` (the default) on
+  the reader's own thread, so the router still binds D late but D's decodes never wait.
 """
 
 from __future__ import annotations
@@ -19,33 +21,63 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.engine.kv_connector import KVConnectorMeta, KVConnectorScheduler, KVReceive, KVSend
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
 from disagg.kv.common import (
     ConnectorBase,
     HandshakeError,
+    KVIdentity,
     SideChannelError,
     SideHandler,
     post_json,
 )
 from disagg.kv.pull_reader import Load, PullReader
 
-__all__ = ["PullConnector"]
+__all__ = ["PullScheduler", "PullWorker"]
 
 log = logging.getLogger(__name__)
+
+_LEASE_MARGIN_S = 1.0  # covers the router hop between P's answer and our arrival
+
+
+# ================================================================== scheduler half (pure)
+
+
+class PullScheduler(KVConnectorScheduler):
+    def __init__(self, block_size: int, identity: KVIdentity, lease_s: float) -> None:
+        super().__init__(block_size)
+        self.identity = identity  # where decode instances find us (port known once we listen)
+        self.lease_s = lease_s
+
+    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.identity.engine_id,
+            "remote_host": self.identity.host,
+            "remote_port": self.identity.port,
+            "remote_block_ids": block_ids,
+            "remote_request_id": request.request_id,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "first_token_id": first,
+            "lease_s": self.lease_s,
+            "connector": "pull",
+        }
+
+
+# ================================================================== worker half
 
 
 @dataclass(slots=True, eq=False)
 class _Lease:  # prefill side
-    block_ids: list[int]
+    block_ids: tuple[int, ...]
     deadline: float  # monotonic; the blocks are freed then even if no read_done came
     is_aborted: bool = False  # freed as `settled`, not `sent`: the request is gone
 
 
-class PullConnector(ConnectorBase):
+class PullWorker(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Before the base starts the listener thread, which calls has_pending().
-        self._new: list[Load] = []  # allocated this step (build_meta hands them over)
         self._reader: PullReader | None = None  # decode side, made once the base is up
         # Prefill side: request id -> lease. D may READ the blocks at any time until the lease
         # ends (read_done or expiry), even after we aborted the request: one-sided reads.
@@ -59,111 +91,87 @@ class PullConnector(ConnectorBase):
         assert self._reader is not None
         return self._reader
 
-    def get_num_new_matched_tokens(self, request: Request) -> int:
-        return request.num_prompt_tokens if request.needs_remote_kv else 0
+    # ------------------------------------------------------------------ engine loop
 
-    def on_blocks_allocated(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
+    def start_load(self, meta: KVConnectorMeta) -> None:
+        """Inline, the reader builds descriptors and posts READs right here, on the loop; in
+        the background this is a queue put and the reader's thread does the rest."""
         started = time.perf_counter()
-        self._new.append(self._load_for(request, block_ids))
-        # Engine-loop time on this handoff; the reader adds its own when it runs inline.
-        request.breakdown.loop_blocked_s = time.perf_counter() - started
+        for send in meta.sends:
+            self._lease(send)
+        loads = [self._load_for(receive) for receive in meta.receives]
+        self.reader.add(loads)
+        for load in loads:  # the loop's share of handing them over
+            load.add_loop_time((time.perf_counter() - started) / len(loads))
+        for request_id in meta.aborts:
+            self._abort(request_id)
+        if not self.reader.is_background:
+            self.reader.step()
 
-    def _load_for(self, request: Request, block_ids: list[int]) -> Load:
-        params = request.kv_transfer_params
-        assert params is not None
-        num_blocks = self.num_prompt_blocks(request)
+    def get_finished(self) -> KVConnectorOutput:
+        if not self.reader.is_background:
+            self.reader.step()  # inline: polling the READs is the loop's work too
+        self._expire_leases(time.monotonic())
+        return self.take_reports()
+
+    def _lease(self, send: KVSend) -> None:
+        deadline = time.monotonic() + self.kv_config.lease_s
+        with self._lock:
+            self._leases[send.request_id] = _Lease(send.block_ids, deadline)
+
+    def _load_for(self, receive: KVReceive) -> Load:
+        params = receive.params
         remote_ids = params.remote_block_ids or []
-        problem = _check_params(params, len(remote_ids), num_blocks)
+        problem = _check_params(params, len(remote_ids), len(receive.block_ids))
         peer: Future[str] = Future()
         if problem is None:
             assert params.remote_engine_id and params.remote_host and params.remote_port
             peer = self.ensure_peer(params.remote_engine_id, params.remote_host, params.remote_port)
+            prefill_url: str | None = f"http://{params.remote_host}:{params.remote_port}"
         else:
             peer.set_exception(ValueError(problem))
+            prefill_url = None
         return Load(
-            request=request,
-            local_ids=block_ids[:num_blocks],
-            remote_ids=remote_ids[:num_blocks],
-            remote_request_id=params.remote_request_id or request.request_id,
-            prefill_url=f"http://{params.remote_host}:{params.remote_port}"
-            if problem is None
-            else None,
+            request_id=receive.request_id,
+            local_ids=list(receive.block_ids),
+            remote_ids=remote_ids[: len(receive.block_ids)],
+            remote_request_id=params.remote_request_id or receive.request_id,
+            prefill_url=prefill_url,
             peer=peer,
             allocated_s=time.monotonic(),
-            read_by_s=_read_deadline(request.arrival_s, params.lease_s),
+            read_by_s=_read_deadline(receive.arrival_s, params.lease_s),
         )
 
-    def build_meta(self) -> object:
-        meta, self._new = self._new, []
-        return meta
-
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
-        if not self.sends_kv(request):
-            return False, None
-        num_blocks = self.num_prompt_blocks(request)
-        deadline = time.monotonic() + self.kv_config.lease_s
-        with self._lock:
-            self._leases[request.request_id] = _Lease(request.block_ids[:num_blocks], deadline)
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": request.block_ids[:num_blocks],
-            "remote_request_id": request.request_id,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "first_token_id": request.output_token_ids[0],
-            "lease_s": self.kv_config.lease_s,
-            "connector": "pull",
-        }
-
-    def request_aborted(self, request: Request) -> bool:
-        request_id = request.request_id
+    def _abort(self, request_id: str) -> None:
+        """Report `settled` once no transfer can touch the request's blocks."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is not None:  # prefill side: D may be reading right now
                 lease.is_aborted = True
-                return True
-        unposted = [load for load in self._new if load.request is request]
-        self._new = [load for load in self._new if load.request is not request]
-        for load in unposted:
-            self.release_remote(load)  # no READ will come: P may free its blocks now
-        return self.reader.abort(request)
+                return
+        if not self.reader.abort(request_id):
+            self.report(settled=request_id)
 
-    # ------------------------------------------------------------------ worker side
-
-    def start_load(self, meta: object) -> None:
-        """Engine loop: hand this step's loads to the reader. Inline, the reader builds
-        descriptors and posts READs right here, on the loop; in the background it is only a
-        queue put and the reader's thread does the rest."""
-        loads = list(meta or [])
-        started = time.perf_counter()
-        self.reader.add(loads)
-        for load in loads:
-            load.request.breakdown.loop_blocked_s = (
-                load.request.breakdown.loop_blocked_s or 0.0
-            ) + (time.perf_counter() - started) / len(loads)
-        if not self.reader.is_background:
-            self.reader.step()
+    # ------------------------------------------------------------------ reader callbacks
 
     def fail(self, load: Load, reason: str, *, is_read_in_flight: bool = False) -> None:
         """A load failed (any thread): fail the request by policy; if no READ of P's blocks
         is in flight, let P free them now."""
-        self.report(failed=(load.request.request_id, self.failure(reason)))
+        self.report(failed=(load.request_id, self.failure(reason)), breakdown=load.breakdown_of())
         if not is_read_in_flight:
             self.release_remote(load)
 
     def load_done(self, load: Load, now: float) -> None:
         """A READ landed (any thread): record it, and let the scheduler start decoding."""
         assert load.posted_s is not None and load.handle is not None
-        breakdown = load.request.breakdown
-        breakdown.transfer_s = now - load.posted_s
-        breakdown.num_descriptors = self.transport.num_descriptors(load.handle)
-        breakdown.num_bytes = len(load.local_ids) * self.block_nbytes
-        self.count_transfer(len(load.local_ids), breakdown.num_descriptors, breakdown.transfer_s)
-        self.report(received=load.request.request_id)
+        num_descriptors = self.transport.num_descriptors(load.handle)
+        load.stages.update(
+            transfer_s=now - load.posted_s,
+            num_descriptors=num_descriptors,
+            num_bytes=len(load.local_ids) * self.block_nbytes,
+        )
+        self.count_transfer(len(load.local_ids), num_descriptors, now - load.posted_s)
+        self.report(received=load.request_id, breakdown=load.breakdown_of())
 
     def release_remote(self, load: Load) -> None:
         """No READ of P's blocks for this load is in flight or will be: tell P over its side
@@ -180,11 +188,7 @@ class PullConnector(ConnectorBase):
         except HandshakeError as exc:  # P gone: its lease covers what this would have freed
             log.info("release at %s not delivered: %s", url, exc)
 
-    def get_finished(self) -> KVConnectorOutput:
-        if not self.reader.is_background:
-            self.reader.step()  # inline: polling the READs is the loop's work too
-        self._expire_leases(time.monotonic())
-        return self.take_reports()
+    # ------------------------------------------------------------------ leases
 
     def _expire_leases(self, now: float) -> None:
         with self._lock:
@@ -204,11 +208,12 @@ class PullConnector(ConnectorBase):
         else:
             self.report(sent=request_id)
 
+    # ------------------------------------------------------------------ state
+
     def blocks_in_use(self) -> set[int]:
         with self._lock:
             leased = {b for lease in self._leases.values() for b in lease.block_ids}
-        unhanded = {b for load in self._new for b in load.local_ids}
-        return leased | unhanded | self.reader.blocks_in_use()
+        return leased | self.reader.blocks_in_use()
 
     def needs_loop_poll(self) -> bool:
         return not self.reader.is_background and self.reader.has_work()
@@ -221,7 +226,7 @@ class PullConnector(ConnectorBase):
         super().close()  # sets _stopping: the reader's thread ends too
         self.reader.close()
 
-    # ------------------------------------------------------------------ listener thread
+    # ------------------------------------------------------------------ side channel, listener
 
     def side_channel(self) -> dict[str, SideHandler]:
         return {**super().side_channel(), "/kv/release": self._handle_release}
@@ -236,12 +241,8 @@ class PullConnector(ConnectorBase):
         return {"request_id": request_id}
 
     def on_message(self, peer: str, message: dict[str, Any]) -> None:
-        if message.get("kind") != "read_done":
-            return
-        self._end_lease(str(message.get("request_id")))
-
-
-_LEASE_MARGIN_S = 1.0  # covers the router hop between P's answer and our arrival
+        if message.get("kind") == "read_done":
+            self._end_lease(str(message.get("request_id")))
 
 
 def _read_deadline(arrival_s: float, lease_s: float | None) -> float | None:

@@ -16,10 +16,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.engine.request import Request
 from disagg.kv.handshake import encode_message
 from disagg.kv.transport import Op, TransferState, TransportError
 
@@ -33,7 +32,7 @@ _IDLE_WAIT_S = 0.05  # background thread: nothing to do, sleep until handed a lo
 
 @dataclass(slots=True, eq=False)
 class Load:
-    request: Request
+    request_id: str
     local_ids: list[int]
     remote_ids: list[int]
     remote_request_id: str
@@ -44,6 +43,15 @@ class Load:
     handle: int | None = None
     posted_s: float | None = None
     is_aborted: bool = False  # aborted while being posted (the poster settles it)
+    # TTFT-breakdown fields this worker measured (handoff_setup_s, transfer_s, loop_blocked_s
+    # ...): reported with the outcome, never written into the scheduler's Request from here.
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def add_loop_time(self, seconds: float) -> None:
+        self.stages["loop_blocked_s"] = self.stages.get("loop_blocked_s", 0.0) + seconds
+
+    def breakdown_of(self) -> tuple[str, dict[str, float]]:
+        return self.request_id, dict(self.stages)
 
 
 class PullReader:
@@ -69,13 +77,12 @@ class PullReader:
             self._pending.extend(loads)
         self._wake.set()
 
-    def abort(self, request: Request) -> bool:
-        """The request leaves WAITING_FOR_REMOTE_KV: True if a READ into its blocks may still
-        be in flight (the blocks wait until the reader reports it settled)."""
-        request_id = request.request_id
+    def abort(self, request_id: str) -> bool:
+        """The request left WAITING_FOR_REMOTE_KV: True if a READ into its blocks may still
+        be in flight (the reader reports it `settled` once it is not)."""
         with self._lock:
-            unposted = [load for load in self._pending if load.request is request]
-            self._pending = [load for load in self._pending if load.request is not request]
+            unposted = [load for load in self._pending if load.request_id == request_id]
+            self._pending = [load for load in self._pending if load.request_id != request_id]
             if request_id in self._zombies:
                 return True
             posting = self._posting.get(request_id)
@@ -106,7 +113,7 @@ class PullReader:
         with self._lock:
             ready = [load for load in self._pending if load.peer.done()]
             self._pending = [load for load in self._pending if not load.peer.done()]
-            self._posting.update((load.request.request_id, load) for load in ready)
+            self._posting.update((load.request_id, load) for load in ready)
         for load in ready:
             self._timed(load, self._start, load)
             self._posted(load)
@@ -121,10 +128,7 @@ class PullReader:
         started = time.perf_counter()
         fn(*args)
         if not self.is_background:  # only time spent on the engine loop counts
-            breakdown = load.request.breakdown
-            breakdown.loop_blocked_s = (breakdown.loop_blocked_s or 0.0) + (
-                time.perf_counter() - started
-            )
+            load.add_loop_time(time.perf_counter() - started)
 
     def _start(self, load: Load) -> None:
         error = load.peer.exception()
@@ -148,11 +152,11 @@ class PullReader:
             return
         load.posted_s = time.monotonic()
         self._base.stats["post_s_total"] += load.posted_s - started
-        load.request.breakdown.handoff_setup_s = load.posted_s - load.allocated_s
+        load.stages["handoff_setup_s"] = load.posted_s - load.allocated_s
 
     def _posted(self, load: Load) -> None:
         """After _start, whatever it did: file the load where its READ's state says."""
-        request_id = load.request.request_id
+        request_id = load.request_id
         with self._lock:
             del self._posting[request_id]
             if load.handle is not None:

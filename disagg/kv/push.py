@@ -1,13 +1,15 @@
-"""Push (early binding), as vLLM's push connector, SGLang and Mooncake do it.
+"""Push (early binding), as vLLM's push connector, SGLang and Mooncake do it, in two halves.
 
-Decode side: reserve blocks on arrival and register them with P from a background thread
-(handshake first on first contact); learn completion from P's `write_done` notification, a
-cheap poll on the engine loop. A reservation that P never fills fails after a deadline, and its
-blocks stay held until P confirms (or is gone) that no write can still land.
-Prefill side (push_writer.py): a `kv-push-writer` thread matches registrations with finished
-prefills in either order, posts the WRITE the moment both are known (the peer was connected
-while prefill ran), polls it, and frees P's blocks when it settles. Neither engine loop ever
-blocks on a transfer.
+`PushScheduler` (pure): a decode request's reserved blocks become a receive, a finished
+prefill with a transfer id a send, for the worker.
+`PushWorker` (transport, threads, side channel):
+- decode side: register the reserved blocks with P from a call thread (handshake first on
+  first contact); learn completion from P's `write_done` notification, a set lookup on the
+  loop. A reservation P never fills fails after a deadline, and its blocks stay held until P
+  confirms (or is gone) that no write can still land.
+- prefill side (push_writer.py): a `kv-push-writer` thread matches registrations with finished
+  prefills in either order, posts the WRITE the moment both are known, polls it, and frees P's
+  blocks when it settles. Neither engine loop ever blocks on a transfer.
 """
 
 from __future__ import annotations
@@ -17,35 +19,64 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.engine.kv_connector import KVConnectorMeta, KVConnectorScheduler, KVReceive
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.engine.request import Request
 from disagg.kv.common import (
     ConnectorBase,
     HandshakeError,
+    KVIdentity,
     SideChannelError,
     SideHandler,
     post_json,
 )
 from disagg.kv.push_writer import PushWriter
+from disagg.protocol import KVTransferParams
 
-__all__ = ["PushConnector"]
+__all__ = ["PushScheduler", "PushWorker"]
 
 _MAX_REGISTRATION_TTL_S = 3600.0  # a registration P keeps longer than this is a mistake
 _NOTIFY_POLL_S = 0.0005  # decode side: slowest poll for write_done while a reservation waits
 
 
+# ================================================================== scheduler half (pure)
+
+
+class PushScheduler(KVConnectorScheduler):
+    def __init__(self, block_size: int, identity: KVIdentity) -> None:
+        super().__init__(block_size)
+        self.identity = identity
+
+    def accepts(self, params: KVTransferParams) -> bool:
+        return bool(params.transfer_id)  # no transfer id: no decode instance awaits the KV
+
+    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict[str, Any]:
+        assert request.kv_transfer_params is not None
+        return {
+            "transfer_id": request.kv_transfer_params.transfer_id,
+            "remote_engine_id": self.identity.engine_id,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "first_token_id": first,
+            "connector": "push",
+        }
+
+
+# ================================================================== worker half
+
+
 @dataclass(slots=True, eq=False)
 class _Reservation:  # decode side
-    request: Request
+    request_id: str
     transfer_id: str
     local_ids: list[int]
     prefill_url: str
     deadline: float
     state: str = "active"  # active -> (timed_out) -> cancelling; removed when settled
+    loop_blocked_s: float = 0.0  # engine-loop time this handoff took (the reservation)
     registered: Future[None] = field(default_factory=Future)  # the registration call
 
 
-class PushConnector(ConnectorBase):
+class PushWorker(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Before the base starts the listener thread, which calls has_pending().
         self._reservations: dict[str, _Reservation] = {}  # transfer id -> reservation
@@ -67,20 +98,8 @@ class PushConnector(ConnectorBase):
 
     # ================================================================== decode side
 
-    def get_num_new_matched_tokens(self, request: Request) -> int:
-        return request.num_prompt_tokens if request.needs_remote_kv else 0
-
-    def on_blocks_allocated(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        started = time.perf_counter()
-        self._reserve(request, block_ids)
-        # The only engine-loop work of a push handoff on D (the rest is on other threads).
-        request.breakdown.loop_blocked_s = time.perf_counter() - started
-
-    def _reserve(self, request: Request, block_ids: list[int]) -> None:
-        params = request.kv_transfer_params
-        assert params is not None
+    def _reserve(self, receive: KVReceive) -> None:
+        params = receive.params
         tid, engine, host, port = (
             params.transfer_id,
             params.remote_engine_id,
@@ -89,22 +108,21 @@ class PushConnector(ConnectorBase):
         )
         if not (tid and engine and host and port):
             reason = "push needs transfer_id, remote_engine_id, remote_host and remote_port"
-            self.report(failed=(request.request_id, KVFailure(reason)))
+            self.report(failed=(receive.request_id, KVFailure(reason)))
             return
-        num_blocks = self.num_prompt_blocks(request)
         reservation = _Reservation(
-            request=request,
+            request_id=receive.request_id,
             transfer_id=tid,
-            local_ids=block_ids[:num_blocks],
+            local_ids=list(receive.block_ids),
             prefill_url=f"http://{host}:{port}",
             deadline=time.monotonic() + self.kv_config.reservation_timeout_s,
         )
         with self._lock:
             self._reservations[tid] = reservation
-            self._transfer_of[request.request_id] = tid
+            self._transfer_of[receive.request_id] = tid
         peer = self.ensure_peer(engine, host, port)
         # Registrations run side by side (a slow one holds up no other); a cancel waits for
-        # its own registration (see request_aborted).
+        # its own registration (see _abort_reservation).
         reservation.registered = self.calls.submit(self._register, reservation, peer)
 
     def _register(self, reservation: _Reservation, peer: Any) -> None:
@@ -115,7 +133,9 @@ class PushConnector(ConnectorBase):
         try:
             peer.result(timeout=self.kv_config.reservation_timeout_s)
         except (HandshakeError, TimeoutError) as exc:
-            self._registration_failed(reservation, f"KV handshake failed: {exc}")
+            self._registration_failed(
+                reservation, f"KV handshake with the prefill instance failed: {exc}"
+            )
             return
         with self._lock:
             if reservation.state != "active":
@@ -126,7 +146,7 @@ class PushConnector(ConnectorBase):
                 {
                     "transfer_id": reservation.transfer_id,
                     "engine_id": self.engine_id,
-                    "request_id": reservation.request.request_id,
+                    "request_id": reservation.request_id,
                     "block_ids": reservation.local_ids,
                     # P keeps the registration as long as we keep the reservation, however
                     # long its own queue and prefill take.
@@ -137,7 +157,9 @@ class PushConnector(ConnectorBase):
         except HandshakeError as exc:
             # P may have taken the registration before the answer was lost, so a write may
             # still come: fail the request, and let the cancel settle the blocks.
-            self._registration_failed(reservation, f"KV registration failed: {exc}")
+            self._registration_failed(
+                reservation, f"KV registration with the prefill instance failed: {exc}"
+            )
 
     def _registration_failed(self, reservation: _Reservation, reason: str) -> None:
         with self._lock:
@@ -145,7 +167,7 @@ class PushConnector(ConnectorBase):
             if is_active:
                 reservation.state = "timed_out"  # the scheduler aborts it, and that cancels
         if is_active:
-            self.report(failed=(reservation.request.request_id, self.failure(reason)))
+            self.report(failed=(reservation.request_id, self.failure(reason)))
 
     def _on_write_done(self, message: dict[str, Any]) -> None:
         tid = str(message.get("transfer_id"))
@@ -154,20 +176,23 @@ class PushConnector(ConnectorBase):
             if reservation is None or reservation.state != "active":
                 return  # cancelled: the cancel's answer settles it
             del self._reservations[tid]
-            self._transfer_of.pop(reservation.request.request_id, None)
-        request = reservation.request
-        breakdown = request.breakdown
-        breakdown.handoff_setup_s = float(message.get("setup_s", 0.0))
-        breakdown.transfer_s = max(0.0, time.time() - float(message.get("posted_wall", 0.0)))
-        breakdown.num_descriptors = int(message.get("num_descriptors", 0))
-        breakdown.num_bytes = len(reservation.local_ids) * self.block_nbytes
-        self.count_transfer(
-            len(reservation.local_ids), breakdown.num_descriptors, breakdown.transfer_s
-        )
+            self._transfer_of.pop(reservation.request_id, None)
+        num_descriptors = int(message.get("num_descriptors", 0))
+        transfer_s = max(0.0, time.time() - float(message.get("posted_wall", 0.0)))
+        stages = {
+            "handoff_setup_s": float(message.get("setup_s", 0.0)),
+            "transfer_s": transfer_s,
+            "num_descriptors": num_descriptors,
+            "num_bytes": len(reservation.local_ids) * self.block_nbytes,
+            "loop_blocked_s": reservation.loop_blocked_s,
+        }
+        self.count_transfer(len(reservation.local_ids), num_descriptors, transfer_s)
         first = self.first_token_or_none(message.get("first_token_id"))
+        request_id = reservation.request_id
         self.report(
-            received=request.request_id,
-            first_token=(request.request_id, first) if first is not None else None,
+            received=request_id,
+            first_token=(request_id, first) if first is not None else None,
+            breakdown=(request_id, stages),
         )
 
     def _on_write_failed(self, message: dict[str, Any]) -> None:
@@ -177,9 +202,9 @@ class PushConnector(ConnectorBase):
             if reservation is None or reservation.state != "active":
                 return
             del self._reservations[tid]  # P only says so once its write has settled
-            self._transfer_of.pop(reservation.request.request_id, None)
+            self._transfer_of.pop(reservation.request_id, None)
         reason = f"prefill instance could not write the KV: {message.get('reason')}"
-        self.report(failed=(reservation.request.request_id, self.failure(reason)))
+        self.report(failed=(reservation.request_id, self.failure(reason)))
 
     def _expire_reservations(self, now: float) -> None:
         with self._lock:
@@ -192,7 +217,7 @@ class PushConnector(ConnectorBase):
             self.stats["expired_reservations"] += 1
             timeout = self.kv_config.reservation_timeout_s
             reason = f"no KV from the prefill instance within {timeout}s"
-            self.report(failed=(reservation.request.request_id, self.failure(reason)))
+            self.report(failed=(reservation.request_id, self.failure(reason)))
 
     def _cancel(self, reservation: _Reservation) -> None:
         """Call thread (after our registration call ended): make sure P will not write,
@@ -208,30 +233,9 @@ class PushConnector(ConnectorBase):
             pass  # P is gone (nothing can land) or refused: either way no write will come
         with self._lock:
             self._reservations.pop(reservation.transfer_id, None)
-        self.report(settled=reservation.request.request_id)
+        self.report(settled=reservation.request_id)
 
     # ================================================================== prefill side
-
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
-        params = request.kv_transfer_params
-        if not self.sends_kv(request):
-            return False, None
-        tid = params.transfer_id if params else None
-        if not tid or self._writer is None:
-            return False, None
-        num_blocks = self.num_prompt_blocks(request)
-        first_token = request.output_token_ids[0]
-        decode_engine = params.remote_engine_id if params else None
-        self._writer.prefill_done(
-            tid, request.request_id, request.block_ids[:num_blocks], first_token, decode_engine
-        )
-        return True, {
-            "transfer_id": tid,
-            "remote_engine_id": self.engine_id,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "first_token_id": first_token,
-            "connector": "push",
-        }
 
     async def _handle_register(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -258,22 +262,44 @@ class PushConnector(ConnectorBase):
 
     # ================================================================== both sides
 
-    def build_meta(self) -> object:
-        return None  # nothing for the engine loop to start: the writer thread does it
+    def start_load(self, meta: KVConnectorMeta) -> None:
+        """Engine loop: hand the step's work to the call threads or the writer (no I/O here)."""
+        for receive in meta.receives:
+            started = time.perf_counter()
+            self._reserve(receive)
+            self._note_loop_time(receive.request_id, time.perf_counter() - started)
+        for send in meta.sends:
+            assert self._writer is not None and send.params.transfer_id
+            self._writer.prefill_done(
+                send.params.transfer_id,
+                send.request_id,
+                list(send.block_ids),
+                send.first_token_id,
+                send.params.remote_engine_id,  # only this decode instance may take the KV
+            )
+        for request_id in meta.aborts:
+            if not self._abort(request_id):
+                self.report(settled=request_id)  # nothing can land: the blocks go now
 
-    def start_load(self, meta: object) -> None:
-        return None
+    def _note_loop_time(self, request_id: str, seconds: float) -> None:
+        with self._lock:
+            tid = self._transfer_of.get(request_id)
+            reservation = self._reservations.get(tid) if tid is not None else None
+            if reservation is not None:
+                reservation.loop_blocked_s += seconds
 
     def get_finished(self) -> KVConnectorOutput:
         if self.role == "decode":
             self._expire_reservations(time.monotonic())
         return self.take_reports()
 
-    def request_aborted(self, request: Request) -> bool:
+    def _abort(self, request_id: str) -> bool:
+        """True if a write into (or out of) the request's blocks may still be in flight: it
+        reports `settled` when it is not."""
         if self._writer is not None:
-            return self._writer.abort(request.request_id)
+            return self._writer.abort(request_id)
         with self._lock:
-            tid = self._transfer_of.pop(request.request_id, None)
+            tid = self._transfer_of.pop(request_id, None)
             reservation = self._reservations.get(tid) if tid is not None else None
             if reservation is None:
                 return False  # already settled (done, failed, or never registered)

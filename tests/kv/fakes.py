@@ -12,9 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
-from disagg.engine.request import Request
 from disagg.kv.transport import Op, TransferState, TransportError
-from disagg.protocol import SamplingParams
 
 
 @dataclass
@@ -90,7 +88,7 @@ class FakeBase:
             self.reports.settled.add(settled)
 
     def fail(self, load: Any, reason: str, *, is_read_in_flight: bool = False) -> None:
-        self.report(failed=(load.request.request_id, KVFailure(reason)))
+        self.report(failed=(load.request_id, KVFailure(reason)))
         if not is_read_in_flight:
             self.release_remote(load)
 
@@ -98,7 +96,7 @@ class FakeBase:
         self.released.append(load.remote_request_id)
 
     def load_done(self, load: Any, now: float) -> None:
-        self.report(received=load.request.request_id)
+        self.report(received=load.request_id)
 
     def count_transfer(self, num_blocks: int, num_descriptors: int, seconds: float) -> None:
         self.stats["transfers"] += 1
@@ -113,10 +111,6 @@ def _zero_stats() -> dict[str, float]:
         "registrations_before_ready", "registrations_after_ready", "registrations_refused",
     )  # fmt: skip
     return dict.fromkeys(names, 0.0)
-
-
-def make_request(request_id: str = "r") -> Request:
-    return Request(request_id=request_id, prompt_token_ids=[1] * 8, sampling=SamplingParams())
 
 
 def ready_peer(name: str = "p") -> Future[str]:

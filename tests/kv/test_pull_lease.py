@@ -13,11 +13,11 @@ import pytest
 from disagg.config import CacheConfig, EngineConfig, KVTransferConfig
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
-from disagg.kv.pull import PullConnector
+from disagg.kv.pull import PullScheduler, PullWorker
 from disagg.protocol import KVTransferParams, SamplingParams
 
 
-def _connector(setup: str) -> tuple[PullConnector, np.ndarray]:
+def _connector(setup: str) -> tuple[PullWorker, np.ndarray]:
     buffer = np.zeros(8 * 1024, np.uint8)
     runner = SimpleNamespace(
         kv_base_addr=buffer.ctypes.data,
@@ -42,7 +42,7 @@ def _connector(setup: str) -> tuple[PullConnector, np.ndarray]:
             pull_setup=setup,
         ),
     )
-    return PullConnector(config, runner), buffer
+    return PullWorker(config, runner), buffer
 
 
 def _request(lease_s: float, age_s: float) -> Request:
@@ -65,7 +65,14 @@ def _request(lease_s: float, age_s: float) -> Request:
     )
 
 
-def _failed(connector: PullConnector) -> KVConnectorOutput:
+def _receive(worker: PullWorker, request: Request) -> None:
+    """The scheduler half reserves blocks 4, 5; the worker gets the receive in its meta."""
+    scheduler_half = PullScheduler(4, worker.identity, lease_s=30.0)
+    scheduler_half.on_blocks_allocated(request, [4, 5], 6)
+    worker.start_load(scheduler_half.build_meta())
+
+
+def _failed(connector: PullWorker) -> KVConnectorOutput:
     """get_finished() until a failure is reported (the background reader runs on its thread)."""
     deadline = time.monotonic() + 5.0
     while not (out := connector.get_finished()).failed:
@@ -82,8 +89,7 @@ def test_read_after_the_lease_fails_without_posting(setup: str) -> None:
         ready.set_result("p")
         connector._peers["p"] = ready  # the handshake happened long ago
         request = _request(lease_s=2.0, age_s=5.0)  # arrived 5 s ago: the lease has run out
-        connector.on_blocks_allocated(request, [4, 5], 6)
-        connector.start_load(connector.build_meta())
+        _receive(connector, request)
         out = _failed(connector)
         assert "lease" in out.failed["r"].reason and not connector.reader.blocks_in_use()
     finally:
@@ -97,8 +103,7 @@ def test_read_within_the_lease_is_posted(setup: str) -> None:
         ready: Future[str] = Future()
         ready.set_result("missing-peer")  # posting to an unknown peer fails in the transport
         connector._peers["p"] = ready
-        connector.on_blocks_allocated(_request(lease_s=30.0, age_s=0.0), [4, 5], 6)
-        connector.start_load(connector.build_meta())
+        _receive(connector, _request(lease_s=30.0, age_s=0.0))
         out = _failed(connector)
         assert "lease" not in out.failed["r"].reason  # it got as far as the transport
     finally:

@@ -11,12 +11,12 @@ from concurrent.futures import Future
 
 from disagg.kv.pull_reader import Load, PullReader
 from disagg.kv.transport import Op, TransferState
-from tests.kv.fakes import FakeBase, make_request, ready_peer
+from tests.kv.fakes import FakeBase, ready_peer
 
 
 def _load(request_id: str = "r", peer: Future[str] | None = None) -> Load:
     return Load(
-        request=make_request(request_id),
+        request_id=request_id,
         local_ids=[4, 5],
         remote_ids=[7, 8],
         remote_request_id=f"p-{request_id}",
@@ -47,7 +47,7 @@ def test_read_posted_then_landed_reports_received() -> None:
     reader.step()  # (3) landed
     assert base.reports.finished_recving == {"r"} and posted.is_released
     assert not reader.has_work() and not reader.blocks_in_use()
-    assert load.request.breakdown.loop_blocked_s is not None  # inline: the loop paid for it
+    assert load.stages["loop_blocked_s"] > 0  # inline: the loop paid for it
 
 
 def test_waits_for_the_handshake_then_fails_if_it_failed() -> None:
@@ -69,7 +69,7 @@ def test_abort_with_the_read_in_flight_settles_only_when_it_lands() -> None:
     reader.add([load])
     reader.step()
     (handle,) = base.transport.posted
-    assert reader.abort(load.request)  # a READ may still land: the blocks wait
+    assert reader.abort(load.request_id)  # a READ may still land: the blocks wait
     reader.step()
     assert not base.reports.settled and reader.blocks_in_use() == {4, 5}
     base.transport.finish(handle, TransferState.ERR)
@@ -82,7 +82,7 @@ def test_abort_before_posting_frees_at_once_and_releases_p() -> None:
     reader, base = _inline()
     load = _load(peer=Future())  # handshake still running
     reader.add([load])
-    assert not reader.abort(load.request)
+    assert not reader.abort(load.request_id)
     assert base.released == ["p-r"] and not reader.has_work()
 
 
@@ -97,7 +97,7 @@ def test_timeout_fails_the_request_but_keeps_the_blocks_until_settled() -> None:
     reader.step()
     assert "timed out" in base.reports.failed["r"].reason
     assert base.released == []  # the READ may still be copying P's blocks
-    assert reader.abort(load.request)  # the scheduler fails it: the blocks go to draining
+    assert reader.abort(load.request_id)  # the scheduler fails it: the blocks go to draining
     base.transport.finish(handle)
     reader.step()
     assert base.reports.settled == {"r"} and base.released == ["p-r"]
@@ -122,7 +122,7 @@ def test_background_reader_needs_no_engine_loop() -> None:
         _wait(lambda: base.transport.posted)
         base.transport.finish(next(iter(base.transport.posted)))
         _wait(lambda: base.reports.finished_recving == {"r"})
-        assert load.request.breakdown.loop_blocked_s is None
+        assert "loop_blocked_s" not in load.stages
     finally:
         stopping.set()
         reader.close()
