@@ -37,7 +37,8 @@ def test_stall_bench_measures_every_mode(tiny_qwen3_dir: Path, tmp_path: Path) -
     for run in result["runs"]:
         assert len(run["new_ttft_ms_each"]) == 2 and all(t > 0 for t in run["new_ttft_ms_each"])
         assert run["num_itl_window"] > 0 and run["num_itl_baseline"] > 0
-        assert run["itl_max_ms"] >= run["itl_p99_ms"] >= run["itl_p50_ms"] > 0
+        # >= 0: a tiny model's tokens can share one socket read, so one client timestamp
+        assert run["itl_max_ms"] >= run["itl_p99_ms"] >= run["itl_p50_ms"] >= 0
         if run["mode"] == "aggregated":
             assert run["num_handoffs"] == 0 and run["loop_blocked_ms_per_handoff"] is None
         else:

@@ -1,0 +1,363 @@
+"""How long a KV handoff stalls the decodes already running on the decode instance (D).
+
+In vLLM-style pull, D builds the transfer descriptors and posts the READ inline on its engine
+loop, so every running decode on D waits; push, and pull with `--pull-setup background`, do
+that work off the loop. Per mode (a fresh local cluster each time: 1 prefill + 1 decode, or
+one aggregated instance, one torch thread each), this starts `--num-running` greedy streams
+with short prompts and long outputs, waits until they all decode, then sends `--num-new`
+requests of `--prompt-len` fresh random token ids `--gap-s` apart. It reports:
+- loop_blocked_ms: D's `disagg_kv_loop_blocked_seconds` (_sum/_count delta over the new
+  requests) per handoff, and each new request's `loop_blocked_s` from its breakdown;
+- the running streams' inter-token latency (client arrival times) while the new requests are
+  in flight: p50, p99, max and TPOT, against their ITL outside that window (baseline);
+- the new requests' TTFT.
+Expected: pull-inline blocks D's loop for the descriptor prep + post (with UCX over CMA the
+copy itself runs inside the post: ~20 ms for 2048 tokens of SmolLM2-135M); pull-background and
+push for well under a millisecond; aggregated stalls for each new prompt's whole prefill
+(seconds on one CPU thread). Caveat: with fewer cores than busy processes (P, D, router, this
+client), P's prefill slows D during the window in every disaggregated mode, and that noise can
+hide a tens-of-ms stall in the ITL columns; loop_blocked_ms is the direct measure.
+Modes are interleaved across repeats; the table shows medians over repeats. Prints a table; the
+last stdout line is the JSON document (also written to --out).
+
+    python benchmarks/stall_bench.py [--modes pull-inline,push] [--repeats 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from disagg.launcher import Cluster, ClusterConfig
+
+MODES: dict[str, dict[str, Any]] = {
+    "pull-inline": {"mode": "pull", "pull_setup": "inline"},
+    "pull-background": {"mode": "pull", "pull_setup": "background"},
+    "push": {"mode": "push"},
+    "aggregated": {"mode": "aggregated", "num_decode": 1},
+}
+_BLOCK = 16  # tokens per KV block (the serve default)
+_STEADY_PROMPT = "Write a long story about a lighthouse keeper named {i} who finds a map in a "
+_STEADY_PROMPT += "bottle, and tell every detail of the journey that follows, chapter by chapter."
+_METRIC = "disagg_kv_loop_blocked_seconds"
+_TIMEOUT = aiohttp.ClientTimeout(total=900)
+
+
+def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """A context and block pool that hold the running streams and every new prompt at once."""
+    steady_tokens = 64 + args.steady_max_tokens  # the prompt is < 64 tokens
+    max_len = max(steady_tokens, args.prompt_len + 4)
+    total = args.num_running * steady_tokens + (args.num_new + 1) * (args.prompt_len + 4)
+    num_blocks = max(math.ceil(total / _BLOCK) + 64, math.ceil(max_len / _BLOCK))
+    return ("--max-model-len", str(max_len), "--num-blocks", str(num_blocks),
+            "--max-num-batched-tokens", str(args.batched_tokens))  # fmt: skip
+
+
+# ---- HTTP --------------------------------------------------------------------------------------
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], times: list[float]
+) -> dict[str, Any]:
+    """POST a streamed completion; append each token chunk's arrival time to `times`.
+
+    -> the final chunk's `disagg.breakdown`."""
+    breakdown: dict[str, Any] = {}
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        buffer = b""
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            *events, buffer = (buffer + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
+            for event in events:
+                payload = event.decode().removeprefix("data:").strip()
+                if payload == "[DONE]":
+                    return breakdown
+                data = json.loads(payload)
+                if "error" in data:
+                    raise RuntimeError(f"stream error: {json.dumps(data['error'])[:300]}")
+                if data.get("choices") and data["choices"][0].get("text"):
+                    times.append(now)
+                breakdown = (data.get("disagg") or {}).get("breakdown", breakdown)
+    return breakdown
+
+
+async def loop_blocked(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """(sum seconds, count) of an instance's loop-blocked histogram."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    values = dict.fromkeys(("_sum", "_count"), 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(_METRIC) and name.removeprefix(_METRIC) in values:
+            values[name.removeprefix(_METRIC)] = float(value)
+    return values["_sum"], values["_count"]
+
+
+async def new_request(
+    session: aiohttp.ClientSession, url: str, prompt: list[int]
+) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    times: list[float] = []
+    sent = time.perf_counter()
+    breakdown = await stream(session, url, body, times)
+    if not times:
+        raise RuntimeError("a new request returned no token")
+    return {"ttft_s": times[0] - sent, "loop_blocked_s": breakdown.get("loop_blocked_s"),
+            "handoff_setup_s": breakdown.get("handoff_setup_s"),
+            "transfer_s": breakdown.get("transfer_s")}  # fmt: skip
+
+
+# ---- one measurement -----------------------------------------------------------------------
+
+
+async def _wait_for_tokens(
+    streams: list[list[float]], tasks: list[asyncio.Task[Any]], more: int
+) -> None:
+    """Until every running stream has `more` tokens beyond what it has now."""
+    targets = [len(times) + more for times in streams]
+    while any(len(times) < n for times, n in zip(streams, targets, strict=True)):
+        for task in tasks:
+            if task.done():
+                task.result()  # raises its error; a clean end this early is one too
+                raise RuntimeError("a running stream ended early: raise --steady-max-tokens")
+        await asyncio.sleep(0.01)
+
+
+async def measure(
+    url: str, decode_url: str, args: argparse.Namespace, rng: random.Random, vocab: int
+) -> dict[str, Any]:
+    """Steady streams, then the new requests; -> raw numbers of this run."""
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, min(40000, vocab)) for _ in range(args.prompt_len)]
+
+    async with aiohttp.ClientSession(timeout=_TIMEOUT, trust_env=False) as session:
+        await new_request(session, url, prompt()[:64])  # first contact: handshake, wire-up
+        await new_request(session, url, prompt())  # first long prefill and transfer
+        streams: list[list[float]] = [[] for _ in range(args.num_running)]
+        body = {"max_tokens": args.steady_max_tokens, "temperature": 0, "ignore_eos": True}
+        tasks = [
+            asyncio.create_task(
+                stream(session, url, {**body, "prompt": _STEADY_PROMPT.format(i=i)}, times)
+            )  # fmt: skip
+            for i, times in enumerate(streams)
+        ]
+        try:
+            await _wait_for_tokens(streams, tasks, 2)
+            settled = time.perf_counter()
+            await asyncio.sleep(args.baseline_s)
+            before = await loop_blocked(session, decode_url)
+            start = time.perf_counter()
+            sends = []
+            for i in range(args.num_new):
+                sends.append(asyncio.create_task(new_request(session, url, prompt())))
+                if i + 1 < args.num_new:
+                    await asyncio.sleep(args.gap_s)
+            new = await asyncio.gather(*sends)
+            end = time.perf_counter()
+            after = await loop_blocked(session, decode_url)
+            await _wait_for_tokens(streams, tasks, 4)  # still running: tokens after the window
+            await asyncio.sleep(args.baseline_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return summarize(streams, settled, start, end, new, before, after)
+
+
+def summarize(
+    streams: list[list[float]],
+    settled: float,
+    start: float,
+    end: float,
+    new: list[dict[str, Any]],
+    before: tuple[float, float],
+    after: tuple[float, float],
+) -> dict[str, Any]:
+    inside, outside, tpots = [], [], []
+    for times in streams:
+        for a, b in zip(times, times[1:], strict=False):
+            if b >= start and a <= end:  # this gap overlaps the window
+                inside.append(b - a)
+            elif a >= settled:
+                outside.append(b - a)
+        in_window = [t for t in times if start <= t <= end]
+        if len(in_window) >= 2:
+            tpots.append((in_window[-1] - in_window[0]) / (len(in_window) - 1))
+    handoffs = after[1] - before[1]
+    blocked = [r["loop_blocked_s"] for r in new if r["loop_blocked_s"] is not None]
+    return {
+        "loop_blocked_ms_per_handoff": _ms((after[0] - before[0]) / handoffs) if handoffs else None,
+        "num_handoffs": int(handoffs),
+        "loop_blocked_ms_each": [_ms(b) for b in blocked],
+        "itl_p50_ms": _ms(_pct(inside, 50)),
+        "itl_p99_ms": _ms(_pct(inside, 99)),
+        "itl_max_ms": _ms(max(inside, default=None)),
+        "tpot_ms": _ms(statistics.mean(tpots) if tpots else None),
+        "baseline_itl_p50_ms": _ms(_pct(outside, 50)),
+        "baseline_itl_max_ms": _ms(max(outside, default=None)),
+        "new_ttft_ms": _ms(statistics.median(r["ttft_s"] for r in new)),
+        "new_ttft_ms_each": [_ms(r["ttft_s"]) for r in new],
+        "new_setup_ms_each": [_ms(r["handoff_setup_s"]) for r in new],
+        "new_transfer_ms_each": [_ms(r["transfer_s"]) for r in new],
+        "window_s": round(end - start, 3),
+        "num_itl_window": len(inside),
+        "num_itl_baseline": len(outside),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """Percentile with linear interpolation between closest ranks."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+_COLUMNS = ("loop_blocked_ms_per_handoff", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tpot_ms",
+            "baseline_itl_p50_ms", "new_ttft_ms")  # fmt: skip
+_HEADERS = ("blocked_ms/handoff", "itl_p50", "itl_p99", "itl_max", "tpot", "base_p50", "ttft")
+
+
+def run_one(mode: str, args: argparse.Namespace, repeat: int, log_dir: Path, vocab: int) -> dict:
+    config = ClusterConfig(model=args.model, kv_transport=args.transport,
+                           serve_args=serve_args(args), log_dir=log_dir / f"{mode}-{repeat}",
+                           **MODES[mode])  # fmt: skip
+    print(f"stall_bench: {mode}, repeat {repeat + 1}/{args.repeats}", file=sys.stderr)
+    with Cluster(config) as cluster:
+        urls = cluster.instance_urls
+        decode_url = (urls.get("decode") or urls["both"])[0]
+        rng = random.Random(f"stall-{mode}-{repeat}")
+        raw = asyncio.run(measure(cluster.url, decode_url, args, rng, vocab))
+    return {"mode": mode, "repeat": repeat, **raw}
+
+
+def medians(runs: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        row: dict[str, Any] = {"mode": mode, "repeats": len(mine)}
+        for key in _COLUMNS:
+            values = [r[key] for r in mine if r[key] is not None]
+            row[key] = round(statistics.median(values), 3) if values else None
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
+    widths = [19] + [10] * (len(_COLUMNS) - 1)
+    print(f"{'mode':>16}" + "".join(f"{h:>{w}}" for h, w in zip(_HEADERS, widths, strict=True)))
+    for row in rows:
+        cells = [_cell(row[k], w) for k, w in zip(_COLUMNS, widths, strict=True)]
+        print(f"{row['mode']:>16}" + "".join(cells))
+    print("ms; itl_* / tpot: running streams while the new requests were in flight; base_p50:")
+    print("their ITL outside that window; ttft: the new requests' (median over repeats).")
+    if ratio is not None:
+        print(
+            f"loop blocked per handoff, pull-background / pull-inline: {ratio:.2%} (target: <= 5%)"
+        )
+
+
+def _cell(value: float | None, width: int) -> str:
+    text = "-" if value is None else f"{value:.3f}" if value < 1 else f"{value:.1f}"
+    return f"{text:>{width}}"
+
+
+def _ratio(rows: list[dict[str, Any]]) -> float | None:
+    by_mode = {row["mode"]: row["loop_blocked_ms_per_handoff"] for row in rows}
+    inline, background = by_mode.get("pull-inline"), by_mode.get("pull-background")
+    return background / inline if inline and background is not None else None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="short name or model directory")
+    add("--repeats", type=int, default=2)
+    add("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    add("--prompt-len", type=int, default=2048, help="tokens per new request")
+    add("--num-new", type=int, default=3, help="new requests per run")
+    add("--num-running", type=int, default=4, help="streams decoding on D meanwhile")
+    add("--gap-s", type=float, default=1.5, help="between the new requests' sends")
+    add("--baseline-s", type=float, default=2.0, help="ITL baseline before and after the window")
+    add("--steady-max-tokens", type=int, default=2048, help="max_tokens of the running streams")
+    add("--batched-tokens", type=int, default=2048, help="--max-num-batched-tokens per step")
+    add("--transport", default="nixl", choices=("nixl", "tcp"))
+    add("--out", type=Path, default=Path("docs/results/stall_bench.json"))
+    args = parser.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; known: {list(MODES)}")
+    return args
+
+
+def _vocab_size(model: str) -> int:
+    from disagg.engine.checkpoint import resolve_model  # torch: only once we run
+
+    return int(json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"])
+
+
+def _git_version() -> str | None:
+    """HEAD, with "-dirty" when disagg/ has uncommitted changes (the code this run measured)."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    try:
+        head = subprocess.check_output([*git, "rev-parse", "--short", "HEAD"], text=True)
+        dirty = subprocess.check_output([*git, "status", "--porcelain", "--", "disagg"], text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.strip() + ("-dirty" if dirty.strip() else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    modes = args.modes.split(",")
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    vocab = _vocab_size(args.model)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="stall-bench-") as tmp:
+        for repeat in range(args.repeats):
+            runs += [run_one(mode, args, repeat, Path(tmp), vocab) for mode in modes]
+    rows = medians(runs, modes)
+    ratio = _ratio(rows)
+    config = {key: getattr(args, key) for key in ("model", "repeats", "prompt_len", "num_new",
+              "num_running", "gap_s", "baseline_s", "steady_max_tokens", "transport")}  # fmt: skip
+    config |= {"modes": modes, "serve_args": list(serve_args(args)), "threads_per_instance": 1}
+    config |= {"argv": sys.argv, "wall_s": round(time.perf_counter() - started, 1)}
+    config |= {"git": _git_version(), "cpus": os.cpu_count()}
+    config["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    result = {"config": config, "results": rows, "background_vs_inline": ratio, "runs": runs}
+    print_table(rows, ratio)
+    doc = json.dumps(result)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
