@@ -9,7 +9,6 @@ they arrive.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from disagg.config import RouterConfig
 from disagg.router.call import Call, kv_params, parse_call, prefill_body, push_params
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
 from disagg.router.metrics import RouterMetrics
+from disagg.router.middleware import api_key_middleware, error_middleware
 from disagg.router.policy import NoHealthyInstanceError
 from disagg.router.relay import (
     CLIENT_GONE,
@@ -421,7 +421,7 @@ def make_app(cfg: RouterConfig, *, client_max_size: int | None = None) -> web.Ap
     so a client disconnect reaches the legs). Bodies over `client_max_size` bytes (default:
     cfg.max_request_bytes) get a 413; with cfg.api_key, the OpenAI API needs it as a bearer."""
     router = Router(cfg)
-    middlewares = [_error_middleware, _api_key_middleware(cfg.api_key)]
+    middlewares = [error_middleware, api_key_middleware(cfg.api_key)]
     app = web.Application(
         middlewares=middlewares, client_max_size=client_max_size or cfg.max_request_bytes
     )
@@ -447,43 +447,3 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[web.
         raise
     bound_port = port or int(runner.addresses[0][1])
     return runner, bound_port
-
-
-@web.middleware
-async def _error_middleware(
-    request: web.Request, handler: aiohttp.typedefs.Handler
-) -> web.StreamResponse:
-    """Every router error leaves as JSON in the OpenAI shape, aiohttp's own 404/405/413 too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _http_error_response(exc)
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return RouteError.of(500, "internal router error").to_response()
-
-
-def _api_key_middleware(api_key: str) -> Any:
-    @web.middleware
-    async def check_api_key(
-        request: web.Request, handler: aiohttp.typedefs.Handler
-    ) -> web.StreamResponse:
-        if api_key and request.path.startswith("/v1/"):
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), api_key):
-                message = "invalid or missing API key (Authorization: Bearer ...)"
-                return RouteError.of(401, message).to_response()
-        return await handler(request)
-
-    return check_api_key
-
-
-def _http_error_response(exc: web.HTTPException) -> web.Response:
-    """aiohttp's plain-text error as an OpenAI error; 413 keeps its text (it names the limit)."""
-    message = exc.text if exc.status == 413 and exc.text else exc.reason
-    response = RouteError.of(exc.status, message).to_response()
-    if allow := exc.headers.get("Allow"):
-        response.headers["Allow"] = allow
-    return response

@@ -17,7 +17,7 @@ from disagg.kv.pull import PullScheduler, PullWorker
 from disagg.protocol import KVTransferParams, SamplingParams
 
 
-def _connector(setup: str) -> tuple[PullWorker, np.ndarray]:
+def _connector(setup: str, policy: str = "fail") -> tuple[PullWorker, np.ndarray]:
     buffer = np.zeros(8 * 1024, np.uint8)
     runner = SimpleNamespace(
         kv_base_addr=buffer.ctypes.data,
@@ -40,6 +40,7 @@ def _connector(setup: str) -> tuple[PullWorker, np.ndarray]:
             transport="local",
             cluster_token="t" * 16,
             pull_setup=setup,
+            failure_policy=policy,
         ),
     )
     return PullWorker(config, runner), buffer
@@ -106,5 +107,21 @@ def test_read_within_the_lease_is_posted(setup: str) -> None:
         _receive(connector, _request(lease_s=30.0, age_s=0.0))
         out = _failed(connector)
         assert "lease" not in out.failed["r"].reason  # it got as far as the transport
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_read_carries_the_deployments_policy(policy: str) -> None:
+    """The worker says what the scheduler must do with a failed handoff, as a typed field:
+    policy recompute -> KVFailure.recompute (the scheduler prefills locally), never a string."""
+    connector, _ = _connector("background", policy)
+    try:
+        ready: Future[str] = Future()
+        ready.set_result("missing-peer")
+        connector._peers["p"] = ready
+        _receive(connector, _request(lease_s=30.0, age_s=0.0))
+        failure = _failed(connector).failed["r"]
+        assert failure.recompute is (policy == "recompute")
     finally:
         connector.close()
