@@ -21,6 +21,9 @@ Modes are interleaved across repeats; the table shows medians over repeats. Prin
 last stdout line is the JSON document (also written to --out).
 
     python benchmarks/stall_bench.py [--modes pull-inline,push] [--repeats 2] [--out FILE]
+
+`--experiment late-binding` runs benchmarks/late_binding_bench.py instead (1 prefill + 2 decode
+instances, least_loaded: where choosing D after prefill pays); the other flags are its own.
 """
 
 from __future__ import annotations
@@ -296,6 +299,8 @@ def _ratio(rows: list[dict[str, Any]]) -> float | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
+    add("--experiment", choices=_EXPERIMENTS, default="stall",
+        help="late-binding: benchmarks/late_binding_bench.py, with its own flags")  # fmt: skip
     add("--model", default="smollm2-135m", help="short name or model directory")
     add("--repeats", type=int, default=2)
     add("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
@@ -332,7 +337,18 @@ def _git_version() -> str | None:
     return head.strip() + ("-dirty" if dirty.strip() else "")
 
 
+_EXPERIMENTS = ("stall", "late-binding")
+
+
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--experiment", choices=_EXPERIMENTS, default="stall")
+    experiment, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if experiment.experiment == "late-binding":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import late_binding_bench  # imports this module: only once it is needed
+
+        return late_binding_bench.main(rest)
     args = parse_args(argv)
     modes = args.modes.split(",")
     started, load_start = time.perf_counter(), os.getloadavg()[0]
