@@ -18,6 +18,7 @@ __all__ = [
     "ANSWER",
     "SIGNATURE_HEADER",
     "WINDOW_S",
+    "bearer_matches",
     "digest",
     "sign",
     "verify",
@@ -68,3 +69,10 @@ def verify(
     if not hmac.compare_digest(wanted, given):
         return "bad cluster signature"
     return None
+
+
+def bearer_matches(authorization: str, api_key: str) -> bool:
+    """True if an `Authorization` header value is `Bearer <api_key>` (compared in constant
+    time): the OpenAI API key check, on instances and on the router alike."""
+    scheme, _, key = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip(), api_key)

@@ -6,13 +6,13 @@ Must not route or proxy (app.py).
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from disagg import auth
 from disagg.router.relay import RouteError
 
 __all__ = ["api_key_middleware", "error_middleware"]
@@ -42,8 +42,7 @@ def api_key_middleware(api_key: str) -> Any:
         request: web.Request, handler: aiohttp.typedefs.Handler
     ) -> web.StreamResponse:
         if api_key and request.path.startswith("/v1/"):
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), api_key):
+            if not auth.bearer_matches(request.headers.get("Authorization", ""), api_key):
                 message = "invalid or missing API key (Authorization: Bearer ...)"
                 return RouteError.of(401, message).to_response()
         return await handler(request)

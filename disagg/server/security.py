@@ -9,7 +9,6 @@ blocks and peers, so only the router may set them. Must not parse bodies or touc
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -61,9 +60,7 @@ async def _cluster_problem(request: web.Request, cluster_token: str) -> str | No
 
 
 def _check_bearer(request: web.Request, api_key: str) -> None:
-    given = request.headers.get("Authorization", "")
-    scheme, _, key = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), api_key):
+    if not auth.bearer_matches(request.headers.get("Authorization", ""), api_key):
         raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                        code="invalid_api_key")  # fmt: skip
 
