@@ -8,7 +8,11 @@ of 16 in arrival order, left-padded, each batch decoding until its longest outpu
 engine admits a waiting request whenever one finishes. Prints a table; the last stdout line is
 the JSON document (also written with --out).
 
-    python benchmarks/engine_bench.py [--model smollm2-135m] [--threads 2] [--out FILE]
+    python benchmarks/engine_bench.py [--model smollm2-135m] [--threads 2] [--dtype auto]
+        [--out FILE]
+
+Both sides compute in the same dtype: the engine's `--dtype` as resolved (auto: bf16 on a CPU
+with bf16 instructions), and transformers loaded in it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.checkpoint import resolve_model
 from disagg.engine.engine import Engine
-from disagg.engine.model import CausalLM, InputMajorLinear, RMSNorm
+from disagg.engine.linear import PackedLinear
+from disagg.engine.model import CausalLM, RMSNorm
 from disagg.protocol import SamplingParams
 
 
@@ -151,8 +156,9 @@ def gemm_ceiling(model: CausalLM, batch: int, repeats: int) -> float:
         for module in parent.children()
         if not isinstance(module, RMSNorm)
     ]
-    inputs = [torch.randn(batch, _in_features(m)) for m in projections]
-    last = torch.randn(batch, model.spec.hidden_size)
+    dtype = model.model.embed_tokens.weight.dtype
+    inputs = [torch.randn(batch, _in_features(m), dtype=dtype) for m in projections]
+    last = torch.randn(batch, model.spec.hidden_size, dtype=dtype)
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
@@ -165,8 +171,8 @@ def gemm_ceiling(model: CausalLM, batch: int, repeats: int) -> float:
 
 
 def _in_features(module: torch.nn.Module) -> int:
-    if isinstance(module, InputMajorLinear):
-        return module.weight_t.shape[0]
+    if isinstance(module, PackedLinear):
+        return module.in_features
     assert isinstance(module, torch.nn.Linear), type(module)
     return module.in_features
 
@@ -213,12 +219,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill-lens", default="512,2048", help="comma-separated")
     parser.add_argument("--serving-requests", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="both sides compute in the engine's")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(args.model))
     config = EngineConfig(
         model=model_dir,
+        dtype=args.dtype,
         cache=CacheConfig(block_size=16, num_blocks=1024),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=4096),
     )
@@ -226,7 +234,8 @@ def main() -> None:
     vocab = engine.spec.vocab_size
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = engine.runner.dtype  # "auto" resolved: transformers runs in the same one
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     rows = [decode_row(engine, hf, batch, args) for batch in (1, 16)]
     for length in (int(n) for n in args.prefill_lens.split(",")):
         ours = engine_prefill(engine, length, args.repeats)
@@ -237,7 +246,10 @@ def main() -> None:
     theirs = hf_serving(hf, mixed, batch=16, pad_id=0)
     rows.append({"phase": "serving", "size": 16, "disagg_tok_s": ours, "hf_tok_s": theirs})
     print_table(rows)
-    result = {"model": args.model, "threads": args.threads, "dtype": "float32", "rows": rows}
+    result = {
+        "model": args.model, "threads": args.threads, "dtype": engine.runner.dtype_name,
+        "rows": rows,
+    }  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

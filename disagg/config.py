@@ -143,7 +143,7 @@ class EngineConfig:
     model: str = "smollm2-135m"  # short name or Hugging Face directory
     served_model_name: str = ""  # "" = the model argument
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # auto (bf16 where the device runs it fast) | float32 | bfloat16 | float16
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -151,8 +151,10 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.num_threads < 0:

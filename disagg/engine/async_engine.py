@@ -62,6 +62,7 @@ class AsyncEngine:
         self._dead: str | None = None  # why the loop died
         self._load: dict[str, int] = {}
         self.engine: Any = None  # disagg.engine.engine.Engine, built in start()
+        self.dtype = config.dtype  # resolved ("auto" -> bfloat16 | float32 ...) in start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -79,6 +80,8 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.eos_token_ids = tuple(self.engine.spec.eos_token_ids)
         self.vocab_size = self.engine.spec.vocab_size
+        self.dtype = self.engine.runner.dtype_name
+        log.info("engine computes in %s (asked: %s)", self.dtype, self.config.dtype)
         self._load = self.engine.scheduler.load()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -129,8 +132,8 @@ class AsyncEngine:
     def kv_info(self) -> dict[str, Any]:
         connector = self.engine.kv_worker if self.engine is not None else None
         if connector is None:
-            return {"role": "both", "model": self.model_name}
-        return connector.info()
+            return {"role": "both", "model": self.model_name, "dtype": self.dtype}
+        return {**connector.info(), "dtype": self.dtype}
 
     def set_address(self, host: str, port: int) -> None:
         """The HTTP address peers use for the KV side channel (known once the server listens)."""

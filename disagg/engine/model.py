@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.linear import PackedLinear, concat_linears, to_packed
 from disagg.engine.rope import apply_rope
 
 __all__ = ["AttentionFn", "CausalLM"]
@@ -38,22 +39,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class InputMajorLinear(nn.Module):
-    """nn.Linear with its weight stored transposed ([in, out], contiguous). On CPU, MKL's GEMM
-    for a few rows runs 13% (1 row) to 4% (16 rows) faster against this layout: decode steps
-    are mostly these GEMMs. Built from a loaded nn.Linear; inference only."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
-
-
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_index: int) -> None:
         super().__init__()
@@ -69,14 +54,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * d, hidden, bias=spec.has_o_bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.has_qk_norm else None
+        self.qkv_proj: nn.Module | None = None  # q|k|v in one GEMM, set by fuse()
+
+    def fuse(self) -> None:
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+        return q, k, v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per-head norm before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -90,9 +88,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate|up in one GEMM, set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -139,28 +145,38 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, attention)
         return self.model.norm(x)
 
-    def use_input_major_weights(self) -> None:
-        """Swap every projection inside the decoder layers for an InputMajorLinear (CPU only;
-        the vocabulary projection keeps its layout: it is tied to the embedding table)."""
+    def prepare_for_inference(self, pack: bool) -> None:
+        """After load_weights: fuse q/k/v and gate/up into one projection each, and with `pack`
+        (CPU with oneDNN) hold every projection's weight pre-reordered (see linear.py). The
+        vocabulary projection gets its own packed copy of a tied embedding table (+vocab x
+        hidden elements of memory: 57 MB at bf16 for SmolLM2) so the lookup table stays plain."""
         for layer in self.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, InputMajorLinear(child))
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            if pack:
+                for parent in (layer.self_attn, layer.mlp):
+                    for name, child in list(parent.named_children()):
+                        if isinstance(child, nn.Linear):
+                            setattr(parent, name, to_packed(child))
+        if pack:
+            self.lm_head = to_packed(self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that sample go through the vocabulary projection (the largest matmul
-        of a small model), in fp32 so sampling sees the same numbers in every dtype.
+        of a small model); fp32 out, so sampling sees the same numbers in every dtype.
 
-        On CPU a batch of rows runs against the weight in slices: for a few rows against a 49k
-        x 576 weight, one MKL GEMM takes ~1.5x as long as the same work in 2048-row slices
-        (measured at batch 4-32; no gain at batch 1, and GPUs want the single GEMM)."""
-        if hidden.device.type != "cpu" or hidden.shape[0] < 2:
+        On CPU without a packed weight a batch of rows runs against the weight in slices: for a
+        few rows against a 49k x 576 weight, one MKL GEMM takes ~1.5x as long as the same work
+        in 2048-row slices (measured at batch 4-32; no gain at batch 1; GPUs want one GEMM)."""
+        plain = isinstance(self.lm_head, nn.Linear)
+        if not plain or hidden.device.type != "cpu" or hidden.shape[0] < 2:
             return self.lm_head(hidden).float()  # [num_sampled, vocab]
         slices = self.lm_head.weight.split(_VOCAB_SLICE_ROWS)
         return torch.cat([F.linear(hidden, w) for w in slices], dim=-1).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if isinstance(self.lm_head, PackedLinear):
+            raise RuntimeError("load_weights must come before prepare_for_inference")
         if self.spec.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
         elif "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 
 from disagg.config import EngineConfig
 from disagg.engine.checkpoint import ModelSpec, load_weights
+from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
+from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from disagg.engine.rope import cos_sin, inv_freq_and_scale
 from disagg.engine.sampler import Sampler
 
 __all__ = ["ModelRunner"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -49,9 +49,10 @@ class _StepInputs:
     slot_offsets: torch.Tensor  # [N] offset inside that block
     prefills: list[_Prefill]
     decode_start: int  # rows >= decode_start are single-token decodes
-    decode_rows: torch.Tensor | None  # [B, 2, Hkv, max_blocks] row groups in layer 0; pad = block 0
-    decode_len: int  # longest decode context, including the new token
-    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len] keys each decode sees; None: all
+    # [2, B, Hkv, max_blocks] row groups in layer 0 (k|v first, so the gathered K and V are
+    # each one contiguous [B, Hkv, T, D]: a strided one costs bmm a copy); pad = block 0
+    decode_rows: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * bs] keys each decode sees
     sample_rows: torch.Tensor  # [S] rows whose hidden state is sampled
     sampled: list[ScheduledRequest]
 
@@ -60,8 +61,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
         self.spec = ModelSpec.from_dir(model_dir)
+        self.dtype_name = resolve_dtype(config.dtype, config.device, self.spec.dtype)
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks
         self.model = self._load_model(model_dir)
@@ -82,7 +84,9 @@ class ModelRunner:
         )
         # The cache as rows of [block_size, head_dim]: what _gather indexes.
         self._row_groups = self.kv_cache.view(-1, self.block_size, spec.head_dim)
+        self._gather_buf = self._row_groups.new_empty((0, *self._row_groups.shape[1:]))
         self.sampler = Sampler(self.device, config.seed)
+        self._gemm_decode_attention = self.device.type == "cpu" and self.dtype != torch.float32
 
     def _load_model(self, model_dir: str) -> CausalLM:
         with torch.device("meta"):
@@ -91,8 +95,7 @@ class ModelRunner:
         model.load_weights(load_weights(model_dir, self.dtype, str(self.device)))
         if self.spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        if self.device.type == "cpu":
-            model.use_input_major_weights()
+        model.prepare_for_inference(pack=packable(self.device, self.dtype))
         return model.eval()
 
     # ------------------------------------------------------------------ KV buffer facts
@@ -161,7 +164,7 @@ class ModelRunner:
             if req.do_sample:
                 sample_rows.append(row + n - 1)
                 sampled.append(req)
-        tables, longest, mask = self._decode_tables(decodes)
+        tables, mask = self._decode_tables(decodes)
         return _StepInputs(
             input_ids=self._long(ids),
             positions=self._long(positions),
@@ -169,8 +172,7 @@ class ModelRunner:
             slot_offsets=self._long(slot_offsets),
             prefills=prefills,
             decode_start=len(ids) - len(decodes),
-            decode_rows=None if tables is None else self._rows(tables),
-            decode_len=longest,
+            decode_rows=None if tables is None else self._rows(tables).movedim(1, 0).contiguous(),
             decode_mask=mask,
             sample_rows=self._long(sample_rows),
             sampled=sampled,
@@ -178,20 +180,20 @@ class ModelRunner:
 
     def _decode_tables(
         self, decodes: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Block tables padded to the longest decode, and the key mask every layer shares (built
-        once per step; None when all contexts are equally long, so SDPA runs unmasked)."""
+        once per step; None when every context fills its blocks exactly, so nothing is masked).
+        Padding keys are masked rather than sliced off: a slice would make K and V strided."""
         if not decodes:
-            return None, 0, None
+            return None, None
         lens = [d.start_pos + 1 for d in decodes]
-        longest = max(lens)
-        width = -(-longest // self.block_size)
+        width = -(-max(lens) // self.block_size)
         padded = [d.block_ids[:width] + [0] * (width - len(d.block_ids[:width])) for d in decodes]
-        if min(lens) == longest:
-            return self._long(padded), longest, None
-        key_pos = torch.arange(longest, device=self.device)
+        if min(lens) == width * self.block_size:
+            return self._long(padded), None
+        key_pos = torch.arange(width * self.block_size, device=self.device)
         mask = key_pos[None, :] < self._long(lens)[:, None]  # [B, T]
-        return self._long(padded), longest, mask[:, None, None, :]
+        return self._long(padded), mask[:, None, None, :]
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -224,12 +226,22 @@ class ModelRunner:
         return block_ids[..., None, None, :] * per_block + kv_head
 
     def _gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for the row groups `rows` ([..., 2, Hkv, nb], from _rows), in
+        """K and V of one layer for the row groups `rows` ([2, ..., Hkv, nb]: k|v first), in
         one index_select -> each [..., Hkv, nb * block_size, D], contiguous."""
         offset = layer * 2 * self.spec.num_kv_heads
-        picked = self._row_groups.index_select(0, (rows + offset).flatten())
-        k, v = picked.view(*rows.shape[:-1], -1, picked.shape[-1]).unbind(-4)
+        index = (rows + offset).flatten()
+        picked = self._workspace(index.numel())
+        torch.index_select(self._row_groups, 0, index, out=picked)
+        k, v = picked.view(*rows.shape[:-1], -1, picked.shape[-1]).unbind(0)
         return k, v
+
+    def _workspace(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, block_size, D] of one buffer reused by every gather (each layer's K/V are
+        dead before the next layer gathers). A fresh multi-MB tensor per layer is a fresh mmap
+        whose page faults made some gathers 5x slower (measured: 4.2 vs 0.87 ms per layer)."""
+        if self._gather_buf.shape[0] < num_rows:
+            self._gather_buf = self._row_groups.new_empty((num_rows, *self._row_groups.shape[1:]))
+        return self._gather_buf[:num_rows]
 
     def _prefill_attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: _Prefill
@@ -263,12 +275,25 @@ class ModelRunner:
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
         assert inputs.decode_rows is not None
-        k, v = self._gather(layer, inputs.decode_rows)  # [B, Hkv, T, D]
-        # Keys past the longest context are block padding: drop them rather than mask them.
-        k, v = k[:, :, : inputs.decode_len], v[:, :, : inputs.decode_len]
+        k, v = self._gather(layer, inputs.decode_rows)  # [B, Hkv, T, D]; padding keys masked
         b, num_heads, d = q.shape
         # GQA without copying K/V: the query heads of one KV head become its "query rows"
         # (head h reads KV head h // groups, as the reference's repeat_kv lays them out).
         qg = q.view(b, k.shape[1], num_heads // k.shape[1], d)  # [B, Hkv, groups, D]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=inputs.decode_mask)
+        if self._gemm_decode_attention:
+            out = _gemm_attention(qg, k, v, inputs.decode_mask)
+        else:
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=inputs.decode_mask)
         return out.reshape(b, num_heads, d)  # [B, Hq, D]
+
+
+def _gemm_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v as two batched GEMMs with the softmax in fp32. For decode
+    shapes on CPU at bf16 (a few query rows per KV head) it is 3x faster than SDPA's flash
+    kernel: 0.54 vs 1.6 ms per layer at batch 32, 320 keys; at fp32 SDPA is as fast."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)

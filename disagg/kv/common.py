@@ -123,7 +123,7 @@ class ConnectorBase(KVConnectorWorker):
         self.vocab_size = runner.spec.vocab_size
         self.compat = Compat(
             model=_model_fingerprint(runner),
-            dtype=config.dtype,
+            dtype=runner.dtype_name,  # resolved: "auto" may mean bf16 here and fp32 there
             block_size=self.block_size,
             block_nbytes=runner.block_nbytes,
             layout=KV_LAYOUT,

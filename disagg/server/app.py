@@ -357,6 +357,7 @@ class _Server:
             "created": self._created,
             "owned_by": "disagg",
             "max_model_len": self._engine.max_model_len,
+            "dtype": self._engine.dtype,  # what the engine computes in
         }
         return web.json_response({"object": "list", "data": [card]})
 

@@ -23,6 +23,7 @@ class EngineClient(Protocol):
     model_name: str  # the name served in /v1/models and checked against `model` in requests
     max_model_len: int  # prompt + max_tokens must fit
     eos_token_ids: tuple[int, ...]
+    dtype: str  # the dtype the engine computes in, resolved ("auto" is never shown)
 
     def generate(
         self,

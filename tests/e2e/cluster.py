@@ -206,11 +206,16 @@ class Cluster:
         connector: str = "pull",
         transport: str = "nixl",
         model_dir: Path | None = None,
+        dtype: str = "float32",
         args: Iterable[str] = (),
     ) -> Proc:
-        """Start `disagg serve` (one torch thread, a free port); does not wait for it."""
+        """Start `disagg serve` (one torch thread, a free port); does not wait for it.
+
+        fp32 unless asked: the e2e tests compare text token for token across runs batched and
+        chunked differently (P's prefill in 32-token chunks vs the aggregated one in one), and
+        in bf16 two schedules round differently; the bf16 engine has its own tests."""
         argv = ["serve", "--model", str(model_dir or self.model_dir), "--host", HOST]
-        argv += ["--port", "0", "--num-threads", "1", "--role", role]
+        argv += ["--port", "0", "--num-threads", "1", "--role", role, "--dtype", dtype]
         if role != "both":
             argv += ["--kv-connector", connector, "--kv-transport", transport, "--kv-host", HOST]
         return self._spawn(name, [*argv, *args])

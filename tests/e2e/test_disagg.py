@@ -121,6 +121,7 @@ def _start_extras(
         "block_size": cluster.serve(
             "decode-other-block-size", args=["--block-size", "32"], **common
         ),
+        "dtype": cluster.serve("decode-bf16", dtype="bfloat16", **common),  # P computes in fp32
     }
 
 
@@ -295,11 +296,11 @@ def test_least_loaded_avoids_busy_decode(pair: Pair, cluster: Cluster, reference
 
 
 @pytest.mark.parametrize("pair", [PULL_NIXL], indirect=True, ids=_pair_id)
-@pytest.mark.parametrize("field", ["model", "block_size"])
+@pytest.mark.parametrize("field", ["model", "block_size", "dtype"])
 def test_incompatible_decode_is_refused_at_handshake(pair: Pair, cluster: Cluster, field: str):
-    """A decode instance with another model (3 layers, not 2) or another block size (32, not
-    16): P refuses its handshake (handshakes_refused +1), the client's error names the field,
-    and no block is held anywhere."""
+    """A decode instance with another model (3 layers, not 2), another block size (32, not
+    16) or another dtype (bf16 KV, not fp32): P refuses its handshake (handshakes_refused +1),
+    the client's error names the field, and no block is held anywhere."""
     decode = pair.extras[field]
     router = cluster.route(f"router-other-{field}", [pair.prefill], [decode], mode="pull")
     try:
@@ -311,3 +312,35 @@ def test_incompatible_decode_is_refused_at_handshake(pair: Pair, cluster: Cluste
         assert_pools_full(pair.prefill, decode)
     finally:
         cluster.stop(router)
+
+
+# ---- bf16 end to end -------------------------------------------------------------------------
+
+
+def test_bf16_pair_moves_bf16_kv_and_matches_bf16_aggregated(cluster: Cluster):
+    """P, D and an aggregated instance all in bf16, pull over NIXL: the instances say bf16 on
+    /v1/models and /kv_info, the handoff moves half the fp32 bytes, and one request's text is
+    the bf16 aggregated text token for token (same prompt, same batch shapes on both paths,
+    so the same kernels round the same way)."""
+    common = {"connector": "pull", "transport": "nixl", "dtype": "bfloat16"}
+    prefill = cluster.serve("prefill-bf16", role="prefill", **common)
+    decode = cluster.serve("decode-bf16-pair", role="decode", **common)
+    aggregated = cluster.serve("aggregated-bf16", dtype="bfloat16")
+    cluster.wait_ready(prefill, decode, aggregated)
+    router = cluster.route("router-bf16", [prefill], [decode], mode="pull")
+    try:
+        for proc in (prefill, decode, aggregated):
+            assert proc.get_json("/v1/models")["data"][0]["dtype"] == "bfloat16"
+        assert decode.kv_info()["compat"]["dtype"] == "bfloat16"
+        body = completion_body(prompt_ids(5, 40), 12)
+        answer = complete(router.url, body)
+        assert answer.status == 200, answer.body
+        assert answer.text == complete(aggregated.url, body).text
+        assert decode.stats()["transfers"] == 1
+        bf16_bytes = answer.body["disagg"]["breakdown"]["num_bytes"]
+        # 40 prompt tokens in 16-token blocks: 3 blocks of 2 layers x k|v x 2 heads x 16 x D.
+        spec_bytes = 3 * 2 * 2 * 2 * 16 * (64 // 4) * 2
+        assert bf16_bytes == spec_bytes, (bf16_bytes, spec_bytes)
+        assert_pools_full(prefill, decode, aggregated)
+    finally:
+        cluster.stop(router, prefill, decode, aggregated)

@@ -23,6 +23,7 @@ def _connector(setup: str, policy: str = "fail") -> tuple[PullWorker, np.ndarray
         kv_base_addr=buffer.ctypes.data,
         num_blocks=8,
         block_nbytes=1024,
+        dtype_name="float32",
         spec=SimpleNamespace(
             architecture="qwen3",
             num_layers=1,

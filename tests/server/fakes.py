@@ -104,6 +104,7 @@ class FakeEngine:
     model_name: str = "fake-model"
     max_model_len: int = 256
     eos_token_ids: tuple[int, ...] = (2,)
+    dtype: str = "float32"
     delay_s: float = 0.002
     error: str | None = None  # finish with ERROR ...
     error_after: int = 1  # ... in the delta carrying this many output tokens
