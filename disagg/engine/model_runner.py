@@ -27,7 +27,7 @@ from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
 from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from disagg.engine.rope import cos_sin, inv_freq_and_scale
+from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables
 from disagg.engine.sampler import Sampler
 
 __all__ = ["ModelRunner"]
@@ -116,7 +116,7 @@ class ModelRunner:
             return RunnerOutput()
         inputs = self._prepare(sched.requests)
         cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = rope_tables(cos, sin, self.dtype)
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -293,7 +293,11 @@ def _gemm_attention(
     """softmax(q k^T / sqrt(D)) v as two batched GEMMs with the softmax in fp32. For decode
     shapes on CPU at bf16 (a few query rows per KV head) it is 3x faster than SDPA's flash
     kernel: 0.54 vs 1.6 ms per layer at batch 32, 320 keys; at fp32 SDPA is as fast."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    b, hkv, groups, d = q.shape
+    q = (q * d**-0.5).view(b * hkv, groups, d)
+    scores = torch.bmm(q, k.view(b * hkv, -1, d).transpose(1, 2)).view(b, hkv, groups, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
+    out = torch.bmm(probs.view(b * hkv, groups, -1), v.view(b * hkv, -1, d))
+    return out.view(b, hkv, groups, d)

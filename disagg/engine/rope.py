@@ -13,7 +13,7 @@ import torch
 
 from disagg.engine.checkpoint import ModelSpec
 
-__all__ = ["apply_rope", "cos_sin", "inv_freq_and_scale"]
+__all__ = ["apply_rope", "cos_sin", "inv_freq_and_scale", "rope_tables", "rotate"]
 
 
 def inv_freq_and_scale(spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -45,13 +45,29 @@ def cos_sin(
     return emb.cos() * scale, emb.sin() * scale
 
 
+def rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin from `cos_sin` prepared once per step for `rotate`: cast to the activation
+    dtype (as transformers casts them), [num_tokens, 1, head_dim] to broadcast over heads, and
+    the rotate-half sign folded into sin's first half (negation is exact, so the result is
+    bit-identical to rotating with a negated half of x)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos[:, None, :], signed_sin[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] with tables from `rope_tables`."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim]."""
-    cos = cos.to(x.dtype)[:, None, :]  # transformers casts cos/sin to the activation dtype first
-    sin = sin.to(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, *rope_tables(cos, sin, x.dtype))
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
