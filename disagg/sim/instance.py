@@ -1,0 +1,97 @@
+"""One simulated engine instance: the real `Scheduler` stepped on the virtual clock.
+
+`step` / `_end_step` are `Engine.step()` cut at the model call: schedule -> start KV work
+(inline setup is loop time) -> [model step takes cost-model time] -> poll KV -> update ->
+start the KV work update raised. Between steps with nothing to do the instance sleeps until a
+request or a KV report wakes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from disagg.engine.kv_connector import KVConnectorMeta
+from disagg.engine.outputs import SchedulerOutput
+from disagg.engine.request import Request
+from disagg.engine.scheduler import Scheduler
+from disagg.protocol import RequestOutput
+from disagg.sim.events import EventLoop
+from disagg.sim.kv_worker import SimKVWorker
+from disagg.sim.runner import SimRunner
+
+__all__ = ["OutputSink", "SimInstance"]
+
+# (instance, outputs, time they left the engine) -> None
+OutputSink = Callable[["SimInstance", list[RequestOutput]], None]
+
+
+class SimInstance:
+    def __init__(
+        self,
+        engine_id: str,
+        role: str,
+        scheduler: Scheduler,
+        runner: SimRunner,
+        worker: SimKVWorker | None,
+        loop: EventLoop,
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = role  # "prefill" | "decode" | "both"
+        self.scheduler = scheduler
+        self.runner = runner
+        self.worker = worker
+        self.loop = loop
+        self.on_outputs: OutputSink = lambda instance, outputs: None
+        self.num_steps = 0
+        self.busy_s = 0.0  # virtual time spent stepping (model + loop-blocking KV setup)
+        self.stalled_s = 0.0  # of which: KV setup on the loop
+        self._is_stepping = False  # a step is scheduled or running
+        self._is_woken = False  # something arrived while stepping: step again after
+        if worker is not None:
+            worker.wake = self.wake
+
+    def add_request(self, request: Request) -> None:
+        request.arrival_s = self.loop.now_s
+        self.scheduler.add_request(request)
+        self.wake()
+
+    def wake(self) -> None:
+        if self._is_stepping:
+            self._is_woken = True
+            return
+        self._is_stepping = True
+        self.loop.after(0.0, self._step)
+
+    def _step(self) -> None:
+        self._is_woken = False
+        sched = self.scheduler.schedule(self.loop.now_s)
+        stall_s = self._start_kv(sched.kv_meta)
+        duration_s = stall_s + self.runner.duration_s(sched)
+        self.busy_s += duration_s
+        self.stalled_s += stall_s
+        self.loop.after(duration_s, lambda: self._end_step(sched))
+
+    def _end_step(self, sched: SchedulerOutput) -> None:
+        runner_out = self.runner.execute(sched)
+        if self.worker is not None:
+            runner_out.kv = self.worker.get_finished()
+        self.num_steps += 1
+        outputs = self.scheduler.update(sched, runner_out, self.loop.now_s)
+        stall_s = self._start_kv(self.scheduler.take_kv_meta())
+        self.busy_s += stall_s
+        self.stalled_s += stall_s
+        if outputs:
+            self.on_outputs(self, outputs)
+        has_progress = not sched.is_empty or not runner_out.kv.is_empty
+        if self._is_woken or (self.scheduler.has_unfinished and has_progress):
+            self.loop.after(stall_s, self._step)
+        else:
+            self._is_stepping = False  # asleep until a request or a KV report arrives
+
+    def _start_kv(self, meta: object) -> float:
+        """Hand the step's KV work to the worker; returns the loop time it took."""
+        if self.worker is None or not isinstance(meta, KVConnectorMeta) or meta.is_empty:
+            return 0.0
+        self.worker.loop_busy_s = 0.0
+        self.worker.start_load(meta)
+        return self.worker.loop_busy_s

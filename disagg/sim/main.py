@@ -1,0 +1,145 @@
+"""`disagg sim`: simulate a deployment under a `disagg bench` workload, write bench-keyed JSON.
+
+Takes the bench's workload and load flags (same names and defaults) plus the deployment:
+`--mode --num-prefill --num-decode --model --hardware --tp`. Prints the bench's table, then
+one JSON summary as the last stdout line. Never imports torch or aiohttp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from disagg.bench import report
+from disagg.bench.metrics import parse_goodput, parse_percentiles
+from disagg.bench.workload import WorkloadConfig
+from disagg.sim import plan
+from disagg.sim.cluster import run_simulation
+from disagg.sim.hardware import list_profiles
+from disagg.sim.model_shape import BUILTIN_SHAPES
+from disagg.sim.sim_config import SimConfig
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload and load flags of `disagg bench` (its module imports aiohttp, so they are
+    declared again here with the same names and defaults)."""
+    g = parser.add_argument_group("workload (as disagg bench)")
+    g.add_argument("--dataset", choices=["random", "text", "prefix"], default="random")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128)
+    g.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
+    g.add_argument(
+        "--random-range-ratio", "--range-ratio", dest="range_ratio", type=float, default=0.0
+    )
+    g.add_argument("--prefix-len", type=int, default=64)
+    g.add_argument("--num-prefixes", type=int, default=1)
+    g.add_argument("--token-range", default="100:1900", help="random token ids from [LO, HI)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--percentiles", default="90,99")
+    g.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
+    g.add_argument("--result-file", default=None, help="write the full JSON result here")
+
+
+def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("simulated deployment")
+    g.add_argument("--mode", choices=["pull", "push", "aggregated"], default="pull")
+    g.add_argument("--num-prefill", type=int, default=1)
+    g.add_argument("--num-decode", type=int, default=1)
+    g.add_argument(
+        "--model", default="Qwen3-32B", help=f"{', '.join(BUILTIN_SHAPES)} or a config.json"
+    )
+    g.add_argument("--hardware", default="h200-p5en", help=f"{list_profiles()} or a TOML path")
+    g.add_argument("--tp", type=int, default=1, help="GPUs per instance")
+    g.add_argument(
+        "--layout",
+        choices=["vllm", "ours"],
+        default="vllm",
+        help="transfer descriptors: vllm (layer x K/V x block) or ours (per block, merged)",
+    )
+    g.add_argument("--policy", choices=["least_loaded", "round_robin"], default="least_loaded")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="default: what memory holds")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `disagg sim`; `disagg sim [flags] plan ...` searches deployments (the workload
+    and deployment flags before `plan` set the traffic, model, hardware and tp)."""
+    _add_workload_arguments(parser)
+    _add_deployment_arguments(parser)
+    sub = parser.add_subparsers(dest="sim_command", metavar="{plan}")
+    plan.add_arguments(sub.add_parser("plan", help="cheapest deployments meeting the SLOs"))
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise ValueError(f"--token-range must be LO:HI, got {text!r}")
+    return int(lo), int(hi)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    workload = WorkloadConfig(
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        token_range=_token_range(args.token_range),
+        seed=args.seed,
+    )
+    return SimConfig(
+        mode=args.mode,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        model=args.model,
+        hardware=args.hardware,
+        tp=args.tp,
+        layout=args.layout,
+        policy=args.policy,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        workload=workload,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        percentiles=parse_percentiles(args.percentiles),
+        goodput_slos_ms=parse_goodput(args.goodput),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every request completed, 1 if some failed, 2 on bad flags."""
+    try:
+        cfg = config_from_args(args)
+        if getattr(args, "sim_command", None) == "plan":
+            return plan.run(args, cfg)
+        result, _ = run_simulation(cfg)
+    except ValueError as exc:
+        print(f"disagg sim: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_table(result, cfg.percentiles))
+    sim = result["sim"]
+    print(
+        f"simulated {cfg.workload.num_prompts} requests in {sim['wall_s']:.2f} s wall "
+        f"({sim['requests_per_wall_s']:.0f} requests/s)"
+    )
+    if args.result_file:
+        report.write_json(result, args.result_file)
+    print(report.to_json_line(result))
+    return 0 if result["failed"] == 0 else 1

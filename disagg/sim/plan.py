@@ -1,0 +1,114 @@
+"""`disagg sim plan`: the cheapest deployments that meet TTFT and TPOT SLOs at a request rate.
+
+Searches mode x prefill count x decode count (aggregated: instance count) in order of GPUs,
+simulates each under the same seeded workload, and stops after the smallest GPU count at which
+some deployment meets the SLOs. A deployment meets them when at least `--attainment` of its
+requests meet both (the bench's goodput definition).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Any
+
+from disagg.sim.cluster import run_simulation
+from disagg.sim.sim_config import SimConfig
+
+__all__ = ["PlanRow", "add_arguments", "candidates", "plan", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    config: SimConfig
+    attainment: float  # fraction of requests meeting both SLOs
+    p90_ttft_ms: float
+    median_tpot_ms: float
+
+    @property
+    def num_gpus(self) -> int:
+        return self.config.num_gpus
+
+
+def candidates(base: SimConfig, modes: list[str], num_instances: int) -> list[SimConfig]:
+    """Every deployment of `num_instances` instances in `modes`."""
+    out = []
+    for mode in modes:
+        if mode == "aggregated":
+            out.append(replace(base, mode="aggregated", num_prefill=num_instances, num_decode=0))
+            continue
+        for num_prefill in range(1, num_instances):
+            out.append(
+                replace(
+                    base,
+                    mode=mode,  # type: ignore[arg-type]
+                    num_prefill=num_prefill,
+                    num_decode=num_instances - num_prefill,
+                )
+            )
+    return out
+
+
+def _evaluate(config: SimConfig) -> PlanRow:
+    result, _ = run_simulation(config)
+    good = result["request_goodput"] or 0.0
+    attainment = good / result["request_throughput"] if result["request_throughput"] else 0.0
+    return PlanRow(config, attainment, result["p90_ttft_ms"], result["median_tpot_ms"])
+
+
+def plan(base: SimConfig, modes: list[str], max_gpus: int, attainment: float) -> list[PlanRow]:
+    """Rows of every deployment tried, up to the first GPU count where one meets the SLOs."""
+    rows: list[PlanRow] = []
+    for num_instances in range(1, max_gpus // base.tp + 1):
+        tried = [_evaluate(c) for c in candidates(base, modes, num_instances)]
+        rows.extend(tried)
+        if any(row.attainment >= attainment for row in tried):
+            break
+    return rows
+
+
+def format_rows(rows: list[PlanRow], attainment: float) -> str:
+    lines = ["| mode | prefill | decode | GPUs | SLO met by | p90 TTFT ms | median TPOT ms | ok |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    ranked = sorted(rows, key=lambda r: (r.attainment < attainment, r.num_gpus, -r.attainment))
+    for r in ranked:
+        c = r.config
+        decode = c.num_decode if c.mode != "aggregated" else "-"
+        ok = "yes" if r.attainment >= attainment else "no"
+        lines.append(
+            f"| {c.mode} | {c.num_prefill} | {decode} | {r.num_gpus} | {r.attainment:.0%} "
+            f"| {r.p90_ttft_ms:.0f} | {r.median_tpot_ms:.1f} | {ok} |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slo-ttft-ms", type=float, required=True)
+    parser.add_argument("--slo-tpot-ms", type=float, required=True)
+    parser.add_argument("--max-gpus", type=int, default=8)
+    parser.add_argument("--modes", default="pull,push,aggregated")
+    parser.add_argument(
+        "--attainment", type=float, default=0.9, help="fraction of requests that must meet both"
+    )
+
+
+def run(args: argparse.Namespace, base: SimConfig) -> int:
+    slos = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+    base = replace(base, goodput_slos_ms=slos)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rows = plan(base, modes, args.max_gpus, args.attainment)
+    print(format_rows(rows, args.attainment))
+    return 0 if any(r.attainment >= args.attainment for r in rows) else 1
+
+
+def summary(rows: list[PlanRow]) -> list[dict[str, Any]]:
+    return [
+        {
+            "mode": r.config.mode,
+            "num_prefill": r.config.num_prefill,
+            "num_decode": r.config.num_decode,
+            "num_gpus": r.num_gpus,
+            "attainment": r.attainment,
+        }
+        for r in rows
+    ]

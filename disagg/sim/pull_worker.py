@@ -1,0 +1,67 @@
+"""Simulated pull worker (vLLM's pull with inline setup).
+
+Prefill side: a sent prefill's blocks stay leased until D's `read_done` arrives.
+Decode side: on `start_load`, for each receive, build descriptors and post the READ on the
+engine loop (the setup time is loop time: it stalls every running decode), then the bytes
+cross the fabric; the scheduler sees the load finished at its next step boundary.
+"""
+
+from __future__ import annotations
+
+from disagg.engine.kv_connector import KVConnectorMeta, KVReceive
+from disagg.sim.fabric import Fabric
+from disagg.sim.kv_worker import SimKVWorker
+
+__all__ = ["SimPullWorker"]
+
+
+class SimPullWorker(SimKVWorker):
+    def __init__(self, engine_id: str, role: str, fabric: Fabric) -> None:
+        super().__init__(engine_id, role, fabric)
+        self._leases: dict[str, tuple[int, ...]] = {}  # prefill side: request id -> blocks
+        self._loads: set[str] = set()  # decode side: READs posted, not yet landed
+
+    def start_load(self, meta: KVConnectorMeta) -> None:
+        for send in meta.sends:
+            self._leases[send.request_id] = send.block_ids
+        for receive in meta.receives:
+            self._read(receive)
+        for request_id in meta.aborts:
+            self.report_settled(request_id)
+
+    def _read(self, receive: KVReceive) -> None:
+        """Inline on the loop: descriptors, then the post; the READ runs on the fabric."""
+        params = receive.params
+        local = list(receive.block_ids)
+        remote = (params.remote_block_ids or [])[: len(local)]
+        assert params.remote_engine_id is not None and len(remote) == len(local)
+        cost = self.fabric.cost
+        num_descriptors = cost.num_descriptors(local, remote)
+        setup_s = cost.setup_s(num_descriptors)
+        self.loop_busy_s += setup_s
+        post_s = self.now_s + self.loop_busy_s
+        done_s = self.fabric.transfer(params.remote_engine_id, self.engine_id, len(local), post_s)
+        stages = {
+            "handoff_setup_s": setup_s,
+            "transfer_s": done_s - post_s,
+            "loop_blocked_s": setup_s,
+            "num_descriptors": num_descriptors,
+            "num_bytes": cost.kv_bytes(len(local), self.fabric.block_size),
+        }
+        self._loads.add(receive.request_id)
+        prefill = self.fabric.workers[params.remote_engine_id]
+        remote_id = params.remote_request_id or receive.request_id
+        self.fabric.loop.at(done_s, lambda: self._landed(receive.request_id, stages))
+        self.fabric.send_at(done_s, lambda: prefill.on_read_done(remote_id))
+
+    def _landed(self, request_id: str, stages: dict[str, float]) -> None:
+        self._loads.discard(request_id)
+        self.report_received(request_id, stages)
+
+    def on_read_done(self, request_id: str) -> None:
+        """Prefill side: D has the bytes; the lease ends and the blocks may be freed."""
+        if self._leases.pop(request_id, None) is not None:
+            self.report_sent(request_id)
+
+    def has_pending(self) -> bool:
+        return bool(self._leases or self._loads)

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+from disagg.sim.plan import candidates, format_rows, plan
+from tests.sim.helpers import make_config
+
+
+def test_candidates_cover_every_split() -> None:
+    configs = candidates(make_config(), ["pull", "aggregated"], 3)
+    splits = sorted((c.mode, c.num_prefill, c.num_decode) for c in configs)
+    assert splits == [("aggregated", 3, 0), ("pull", 1, 2), ("pull", 2, 1)]
+    assert all(c.num_instances == 3 for c in configs)
+
+
+def test_plan_stops_at_the_cheapest_gpu_count_that_meets_the_slos() -> None:
+    base = replace(
+        make_config(num_prompts=8, input_len=256, output_len=8, request_rate=2.0),
+        goodput_slos_ms={"ttft": 200.0, "tpot": 50.0},
+    )
+    rows = plan(base, ["push", "aggregated"], max_gpus=4, attainment=0.9)
+    met = [r for r in rows if r.attainment >= 0.9]
+    assert met and min(r.num_gpus for r in met) == max(r.num_gpus for r in rows)
+    assert format_rows(rows, 0.9).splitlines()[2].endswith("| yes |")
+
+
+def test_plan_tries_every_size_when_nothing_meets() -> None:
+    base = replace(make_config(num_prompts=4), goodput_slos_ms={"ttft": 0.001, "tpot": 0.001})
+    rows = plan(base, ["pull"], max_gpus=3, attainment=0.9)
+    assert {r.config.num_instances for r in rows} == {2, 3}
+    assert all(r.attainment == 0 for r in rows)
