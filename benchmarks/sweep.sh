@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates docs/results/sweep.{json,md} and the plots: aggregated vs pull vs push on one
-# random-weight Qwen3 checkpoint, request rate x prompt length. About 15 minutes on 2 cores.
+# random-weight Qwen3 checkpoint, request rate x prompt length, fp32 (as published and as the
+# simulator's validation assumes). About 15 minutes on 2 cores.
 # The checkpoint is written by our own tool (deterministic: fixed seed) into a temp dir.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +15,4 @@ disagg bench sweep --model "$MODEL" --modes aggregated,pull,pull-inline,push \
   --request-rates "${RATES:-0.5,1.5,3}" --input-lens "${LENS:-256,1024,4096}" --output-len 32 \
   --num-prompts "${PROMPTS:-20}" --warmup 3 --token-range 100:4000 --seed 0 \
   --output-dir "$OUT" --log-dir "$(mktemp -d)" \
-  --up-args="-- --num-blocks 8192 --max-num-batched-tokens 4096 --max-model-len 8192"
+  --up-args="-- --num-blocks 8192 --max-num-batched-tokens 4096 --max-model-len 8192 --dtype float32"
