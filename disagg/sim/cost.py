@@ -3,7 +3,9 @@
 A step is a roofline over its whole batch: the FLOPs of every scheduled token (2 x params,
 plus attention over its context) against peak x MFU, and the bytes it must read (weights once,
 plus the KV of every context) against HBM bandwidth x efficiency; plus a fixed CPU overhead and,
-with tensor parallelism, two all-reduces per layer. Pure arithmetic on plain numbers.
+with tensor parallelism, two all-reduces per layer. A measured CPU profile (one with a
+`[fitted_step]` section) prices the step as the sum form of `fitted_step.py` instead.
+Pure arithmetic on plain numbers.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from disagg.sim.fitted_step import step_features
 from disagg.sim.hardware import HardwareProfile
 from disagg.sim.model_shape import ModelShape
 
@@ -42,6 +45,8 @@ class CostModel:
             raise ValueError(f"tp must be > 0, got {self.tp}")
         if self.layout not in ("ours", "vllm"):
             raise ValueError(f"layout must be ours or vllm, got {self.layout!r}")
+        if self.hardware.fitted_step is not None and self.tp != 1:
+            raise ValueError(f"{self.hardware.name} is a measured single-process profile: tp=1")
 
     # ------------------------------------------------------------------ model step
 
@@ -49,12 +54,23 @@ class CostModel:
         """Wall time of one engine step over `batch` (0 for an empty batch)."""
         if not batch:
             return 0.0
+        if self.hardware.fitted_step is not None:
+            return self._fitted_step_s(batch)
         compute_s = self.step_flops(batch) / (
             self.tp * self.hardware.peak_flops * self.hardware.mfu
         )
         hw = self.hardware
         memory_s = self.step_bytes(batch) / (hw.memory_bandwidth * hw.memory_efficiency)
         return max(compute_s, memory_s) + self._allreduce_s(batch) + hw.step_overhead_s
+
+    def _fitted_step_s(self, batch: list[StepShape]) -> float:
+        """The CPU sum form: a core does its GEMMs, attention and KV gather one after another."""
+        hw = self.hardware
+        assert hw.fitted_step is not None and self.tp == 1, "fitted (CPU) profiles are tp=1"
+        items = [(i.num_tokens, i.context_len, i.do_sample) for i in batch]
+        variable_s = hw.fitted_step.variable_s(step_features(self.shape, items))
+        weights_s = self.shape.weight_bytes(1) / hw.memory_bandwidth
+        return hw.step_overhead_s + weights_s + variable_s
 
     def step_flops(self, batch: list[StepShape]) -> float:
         """FLOPs of the whole step, all ranks together."""

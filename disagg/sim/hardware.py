@@ -1,7 +1,8 @@
 """Hardware profiles: plain TOML files (one per machine type) read into a frozen dataclass.
 
 Owns the figures the cost model needs and where they come from (the TOML files cite them).
-A name looks in `disagg/sim/hardware/`; a path reads that file.
+A name looks in `disagg/sim/hardware/`; a path reads that file. A profile with a
+`[fitted_step]` section (a measured CPU) prices steps with that form instead of the roofline.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from disagg.sim.fitted_step import FittedStep
 
 __all__ = ["HardwareProfile", "list_profiles", "load_profile"]
 
@@ -36,6 +39,10 @@ class HardwareProfile:
     step_overhead_s: float  # fixed CPU time per engine step
     setup_fixed_s: float  # per transfer setup on the initiating side
     setup_per_descriptor_s: float  # per descriptor of a transfer's setup
+    # True where the transport copies inside post() (NIXL over cross-memory attach on one
+    # host): a pull's READ then runs on the decode engine loop, not beside it.
+    copy_in_post: bool = False
+    fitted_step: FittedStep | None = None  # measured CPU step form; None = the roofline
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -59,6 +66,9 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
     for section, values in raw.items():
         if not isinstance(values, dict):
             continue
+        if section == "fitted_step":
+            flat["fitted_step"] = FittedStep(**values)
+            continue
         prefix = "setup_" if section == "kv_setup" else ""
         flat.update({prefix + key: value for key, value in values.items()})
     return flat
@@ -73,7 +83,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     flat = _flatten(tomllib.loads(path.read_text()))
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(flat) - known)
-    missing = sorted(known - set(flat))
+    missing = sorted(known - set(flat) - {"copy_in_post", "fitted_step"})
     if unknown or missing:
         raise ValueError(f"hardware {path.name}: unknown keys {unknown}, missing keys {missing}")
     return HardwareProfile(**flat)

@@ -2,7 +2,8 @@
 
 Takes the bench's workload and load flags (same names and defaults) plus the deployment:
 `--mode --num-prefill --num-decode --model --hardware --tp`. Prints the bench's table, then
-one JSON summary as the last stdout line. Never imports torch or aiohttp.
+one JSON summary as the last stdout line. Subcommands: plan, sweep, validate, calibrate. Only
+calibrate (which measures this machine) imports torch and aiohttp, and only when it runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from disagg.bench import report
 from disagg.bench.metrics import parse_goodput, parse_percentiles
 from disagg.bench.workload import WorkloadConfig
-from disagg.sim import plan
+from disagg.sim import calibrate, plan, sweep, validate
 from disagg.sim.cluster import run_simulation
 from disagg.sim.hardware import list_profiles
 from disagg.sim.model_shape import BUILTIN_SHAPES
@@ -76,8 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     and deployment flags before `plan` set the traffic, model, hardware and tp)."""
     _add_workload_arguments(parser)
     _add_deployment_arguments(parser)
-    sub = parser.add_subparsers(dest="sim_command", metavar="{plan}")
+    sub = parser.add_subparsers(dest="sim_command", metavar="{plan,sweep,validate,calibrate}")
     plan.add_arguments(sub.add_parser("plan", help="cheapest deployments meeting the SLOs"))
+    sweep.add_arguments(sub.add_parser("sweep", help="mode x input length x rate, to JSON"))
+    validate.add_arguments(
+        sub.add_parser("validate", help="predict a measured bench sweep, compare medians")
+    )
+    calibrate.add_arguments(
+        sub.add_parser("calibrate", help="measure this machine (--model is the checkpoint)")
+    )
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -123,12 +131,18 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+_SUBCOMMANDS = {"plan": plan.run, "sweep": sweep.run, "validate": validate.run}
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every request completed, 1 if some failed, 2 on bad flags."""
     try:
+        command = getattr(args, "sim_command", None)
+        if command == "calibrate":
+            return calibrate.run(args)
         cfg = config_from_args(args)
-        if getattr(args, "sim_command", None) == "plan":
-            return plan.run(args, cfg)
+        if command in _SUBCOMMANDS:
+            return _SUBCOMMANDS[command](args, cfg)
         result, _ = run_simulation(cfg)
     except ValueError as exc:
         print(f"disagg sim: {exc}", file=sys.stderr)

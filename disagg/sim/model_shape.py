@@ -96,6 +96,10 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 }
 
 
+# The checkpoint's dtype sets weight and KV bytes (the engine serves in it unless told not to).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def _from_hf_config(path: Path) -> ModelShape:
     raw = json.loads(path.read_text())
     heads = int(raw["num_attention_heads"])
@@ -110,6 +114,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         intermediate_size=int(raw["intermediate_size"]),
         vocab_size=int(raw["vocab_size"]),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dtype_bytes=_DTYPE_BYTES.get(str(raw.get("dtype") or raw.get("torch_dtype")), 2),
     )
 
 

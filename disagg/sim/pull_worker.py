@@ -3,7 +3,8 @@
 Prefill side: a sent prefill's blocks stay leased until D's `read_done` arrives.
 Decode side: on `start_load`, for each receive, build descriptors and post the READ on the
 engine loop (the setup time is loop time: it stalls every running decode), then the bytes
-cross the fabric; the scheduler sees the load finished at its next step boundary.
+cross the fabric; the scheduler sees the load finished at its next step boundary. Where the
+transport copies inside post (profile `copy_in_post`), the copy is loop time too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class SimPullWorker(SimKVWorker):
         self.loop_busy_s += setup_s
         post_s = self.now_s + self.loop_busy_s
         done_s = self.fabric.transfer(params.remote_engine_id, self.engine_id, len(local), post_s)
+        if cost.hardware.copy_in_post:  # the READ returns only once the bytes have moved
+            setup_s += done_s - post_s
+            self.loop_busy_s += done_s - post_s
+            post_s = done_s
         stages = {
             "handoff_setup_s": setup_s,
             "transfer_s": done_s - post_s,

@@ -1,0 +1,53 @@
+"""`disagg sim sweep` and `disagg sim validate`: grid points keyed as the bench sweep's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg.cli import main
+from disagg.sim.sweep import deployment
+from disagg.sim.validate import compare, summarize
+from tests.sim.helpers import make_config
+
+_FLAGS = ["--model", "Qwen3-8B", "--num-blocks", "1024", "--num-prompts", "4", "--output-len", "8"]
+
+
+def test_aggregated_baseline_gets_every_instance() -> None:
+    config = deployment(make_config("pull", num_prefill=1, num_decode=2), "aggregated")
+    assert (config.mode, config.num_instances, config.num_decode) == ("aggregated", 3, 0)
+
+
+def test_sweep_writes_one_bench_keyed_entry_per_point(tmp_path: Path) -> None:
+    out = tmp_path / "sim_sweep.json"
+    argv = ["sim", *_FLAGS, "sweep", "--modes", "pull,push", "--request-rates", "1,4"]
+    assert main([*argv, "--input-lens", "256", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    points = [(r["mode"], r["request_rate"], r["input_len"]) for r in runs]
+    assert points == [(m, r, 256) for m in ("pull", "push") for r in (1.0, 4.0)]
+    assert all(r["completed"] == 4 and "median_tpot_ms" in r and "ttfts" not in r for r in runs)
+
+
+def test_validate_predicts_each_measured_point(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    sweep = tmp_path / "sim_sweep.json"
+    argv = ["sim", *_FLAGS, "sweep", "--modes", "aggregated", "--request-rates", "2"]
+    assert main([*argv, "--input-lens", "128", "--out", str(sweep), "--keep-per-request"]) == 0
+    out = tmp_path / "validation.json"
+    assert main(["sim", *_FLAGS, "validate", "--sweep", str(sweep), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["metric"] for r in rows] == ["median_ttft_ms", "median_tpot_ms"]
+    for row in rows:  # the sim predicting its own run: same seed, same answer
+        assert row["predicted"] == pytest.approx(row["measured"]) and row["error"] == 0
+    assert "median |error| 0.0%" in capsys.readouterr().out
+
+
+def test_compare_and_summary_report_relative_error() -> None:
+    measured = {"mode": "push", "request_rate": 1.0, "input_len": 64}
+    measured |= {"median_ttft_ms": 100.0, "median_tpot_ms": 10.0, "mean_breakdown_ms": {"queue": 1}}
+    predicted = {"median_ttft_ms": 120.0, "median_tpot_ms": 9.0, "mean_breakdown_ms": {}}
+    rows = compare(measured, predicted)
+    assert [round(r["error"], 6) for r in rows] == [0.2, -0.1]
+    assert rows[0]["stages_measured_ms"] == {"queue": 1}
+    assert "worst 20.0% (push, rate 1.0, input 64, median_ttft_ms)" in summarize(rows)
