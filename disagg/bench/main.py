@@ -27,6 +27,12 @@ from disagg.bench.client import (
     make_session,
     run_requests,
 )
+from disagg.bench.flags import (
+    add_arrival_arguments,
+    add_workload_arguments,
+    workload_from_args,
+    workload_keys,
+)
 from disagg.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
 from disagg.bench.workload import (
     BenchPrompt,
@@ -111,13 +117,7 @@ def _run_header(cfg: BenchConfig, model: str) -> dict[str, Any]:
         "base_url": cfg.base_url,
         "endpoint": cfg.endpoint,
         "model_id": model,
-        "dataset": w.dataset,
-        "num_prompts": w.num_prompts,
-        "random_input_len": w.input_len,
-        "random_output_len": w.output_len,
-        "random_range_ratio": w.range_ratio,
-        "prefix_len": w.prefix_len if w.dataset == "prefix" else 0,
-        "seed": w.seed,
+        **workload_keys(w),
         # JSON has no infinity; vLLM writes the string "inf" too
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness,
@@ -161,52 +161,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     return {**_run_header(cfg, model), **metrics}
 
 
-def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["random", "text", "prefix"], default="random")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument(
-        "--random-input-len",
-        "--input-len",
-        dest="input_len",
-        type=int,
-        default=128,
-        help="prompt tokens (prefix dataset: tokens after the shared prefix)",
-    )
-    g.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
-    g.add_argument(
-        "--random-range-ratio",
-        "--range-ratio",
-        dest="range_ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)",
-    )
-    g.add_argument("--prefix-len", type=int, default=64, help="shared prefix tokens (prefix)")
-    g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
-    g.add_argument(
-        "--token-range",
-        default="100:1900",
-        help="random token ids drawn from [LO, HI): keep clear of special tokens",
-    )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer.json or model dir: exact text lengths, token ids for chat",
-    )
-    g.add_argument("--seed", type=int, default=0)
-
-
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
-    g.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier",
-    )
-    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g = add_arrival_arguments(parser)
     g.add_argument("--warmup", type=int, default=0, help="unmeasured requests sent first")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
@@ -218,7 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--endpoint", default="/v1/completions")
     parser.add_argument("--model", default=None, help="model id; default: first of /v1/models")
-    _add_workload_arguments(parser)
+    add_workload_arguments(parser).add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or model dir: exact text lengths, token ids for chat",
+    )
     _add_load_arguments(parser)
     g = parser.add_argument_group("request and output")
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests")
@@ -240,28 +200,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_arguments(sub.add_parser("sweep", help="mode x rate x prompt-length sweep"))
 
 
-def _parse_token_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    if not sep:
-        raise ValueError(f"--token-range must be LO:HI, got {text!r}")
-    return int(lo), int(hi)
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A BenchConfig from parsed `disagg bench` flags (raises ValueError on bad values)."""
     if not args.base_url:
         raise ValueError("--base-url is required")
-    workload = WorkloadConfig(
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        token_range=_parse_token_range(args.token_range),
-        seed=args.seed,
-    )
+    workload = workload_from_args(args)
     return BenchConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,

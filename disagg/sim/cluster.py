@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from disagg.bench.arrivals import arrival_offsets_s
+from disagg.bench.flags import workload_keys
 from disagg.bench.metrics import RequestResult, compute_metrics
 from disagg.bench.workload import make_workload
 from disagg.config import SchedulerConfig
@@ -159,13 +160,7 @@ def _header(config: SimConfig, cluster: SimCluster) -> dict[str, Any]:
         "base_url": None,
         "endpoint": "/v1/completions",
         "model_id": cluster.cost.shape.name,
-        "dataset": w.dataset,
-        "num_prompts": w.num_prompts,
-        "random_input_len": w.input_len,
-        "random_output_len": w.output_len,
-        "random_range_ratio": w.range_ratio,
-        "prefix_len": w.prefix_len if w.dataset == "prefix" else 0,
-        "seed": w.seed,
+        **workload_keys(w),
         "request_rate": rate if rate != float("inf") else "inf",
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,

@@ -9,12 +9,11 @@ calibrate (which measures this machine) imports torch and aiohttp, and only when
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from disagg.bench import report
+from disagg.bench.flags import add_arrival_arguments, add_workload_arguments, workload_from_args
 from disagg.bench.metrics import parse_goodput, parse_percentiles
-from disagg.bench.workload import WorkloadConfig
 from disagg.sim import calibrate, plan, sweep, validate
 from disagg.sim.cluster import run_simulation
 from disagg.sim.hardware import list_profiles
@@ -25,23 +24,9 @@ __all__ = ["add_arguments", "config_from_args", "run"]
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The workload and load flags of `disagg bench` (its module imports aiohttp, so they are
-    declared again here with the same names and defaults)."""
-    g = parser.add_argument_group("workload (as disagg bench)")
-    g.add_argument("--dataset", choices=["random", "text", "prefix"], default="random")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128)
-    g.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
-    g.add_argument(
-        "--random-range-ratio", "--range-ratio", dest="range_ratio", type=float, default=0.0
-    )
-    g.add_argument("--prefix-len", type=int, default=64)
-    g.add_argument("--num-prefixes", type=int, default=1)
-    g.add_argument("--token-range", default="100:1900", help="random token ids from [LO, HI)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    g.add_argument("--max-concurrency", type=int, default=None)
+    """The workload and load flags of `disagg bench` (shared definitions), and its outputs."""
+    add_workload_arguments(parser)
+    g = add_arrival_arguments(parser)
     g.add_argument("--percentiles", default="90,99")
     g.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
     g.add_argument("--result-file", default=None, help="write the full JSON result here")
@@ -88,25 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _token_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    if not sep:
-        raise ValueError(f"--token-range must be LO:HI, got {text!r}")
-    return int(lo), int(hi)
-
-
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    workload = WorkloadConfig(
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        token_range=_token_range(args.token_range),
-        seed=args.seed,
-    )
+    workload = workload_from_args(args)
     return SimConfig(
         mode=args.mode,
         num_prefill=args.num_prefill,

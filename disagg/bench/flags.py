@@ -1,0 +1,94 @@
+"""The workload and arrival flags `disagg bench` and `disagg sim` share (same names, same
+defaults), and the WorkloadConfig they parse into. No aiohttp or torch here: the simulator
+imports it without the load generator's client."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from disagg.bench.workload import WorkloadConfig
+
+__all__ = [
+    "add_arrival_arguments", "add_workload_arguments", "workload_from_args", "workload_keys",
+]  # fmt: skip
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset", choices=["random", "text", "prefix"], default="random")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument(
+        "--random-input-len",
+        "--input-len",
+        dest="input_len",
+        type=int,
+        default=128,
+        help="prompt tokens (prefix dataset: tokens after the shared prefix)",
+    )
+    g.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
+    g.add_argument(
+        "--random-range-ratio",
+        "--range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)",
+    )
+    g.add_argument("--prefix-len", type=int, default=64, help="shared prefix tokens (prefix)")
+    g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
+    g.add_argument(
+        "--token-range",
+        default="100:1900",
+        help="random token ids drawn from [LO, HI): keep clear of special tokens",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    return g
+
+
+def add_arrival_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier",
+    )
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    return g
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    """The WorkloadConfig of parsed workload flags (raises ValueError on bad values)."""
+    return WorkloadConfig(
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        token_range=_parse_token_range(args.token_range),
+        seed=args.seed,
+    )
+
+
+def workload_keys(w: WorkloadConfig) -> dict[str, object]:
+    """The workload's keys in a result file (vLLM's benchmark names), for bench and sim alike."""
+    return {
+        "dataset": w.dataset,
+        "num_prompts": w.num_prompts,
+        "random_input_len": w.input_len,
+        "random_output_len": w.output_len,
+        "random_range_ratio": w.range_ratio,
+        "prefix_len": w.prefix_len if w.dataset == "prefix" else 0,
+        "seed": w.seed,
+    }
+
+
+def _parse_token_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not sep:
+        raise ValueError(f"--token-range must be LO:HI, got {text!r}")
+    return int(lo), int(hi)
