@@ -162,9 +162,13 @@ class _ConnectorCollector(Collector):
             yield CounterMetricFamily(_counter_name(key), f"KV connector: {key}", value=value)
 
 
+# `blocks` would render as disagg_kv_blocks_total, the pool-size gauge's name.
+_RENAMED_STATS = {"blocks": "transferred_blocks"}
+
+
 def _counter_name(stat: str) -> str:
     """`transfer_s_total` -> `disagg_kv_transfer_seconds`, `bytes` -> `disagg_kv_bytes`
     (the client library appends `_total`)."""
-    base = stat.removesuffix("_total")
+    base = _RENAMED_STATS.get(stat, stat).removesuffix("_total")
     base = base.removesuffix("_s") + "_seconds" if base.endswith("_s") else base
     return f"disagg_kv_{base}"
