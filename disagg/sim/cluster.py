@@ -133,9 +133,9 @@ def _instance(
     worker: SimKVWorker | None = None
     if role != "both":
         identity = KVIdentity(engine_id=engine_id, host="sim", port=1 + index)
-        if config.mode == "pull":
+        if config.is_pull:
             connector = PullScheduler(config.block_size, identity, _LEASE_S)
-            worker = SimPullWorker(engine_id, role, fabric)
+            worker = SimPullWorker(engine_id, role, fabric, inline=config.mode == "pull-inline")
         else:
             connector = PushScheduler(config.block_size, identity)
             worker = SimPushWorker(engine_id, role, fabric)

@@ -34,7 +34,12 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("simulated deployment")
-    g.add_argument("--mode", choices=["pull", "push", "aggregated"], default="pull")
+    g.add_argument(
+        "--mode",
+        choices=["pull", "pull-inline", "push", "aggregated"],
+        default="pull",
+        help="pull: READ set up off D's loop (ours); pull-inline: on it (vLLM's pull)",
+    )
     g.add_argument("--num-prefill", type=int, default=1)
     g.add_argument("--num-decode", type=int, default=1)
     g.add_argument(

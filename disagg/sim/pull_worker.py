@@ -1,10 +1,12 @@
-"""Simulated pull worker (vLLM's pull with inline setup).
+"""Simulated pull worker: vLLM's pull (`inline`: setup on the engine loop) or ours (setup on
+the decode instance's reader thread, the real default).
 
 Prefill side: a sent prefill's blocks stay leased until D's `read_done` arrives.
-Decode side: on `start_load`, for each receive, build descriptors and post the READ on the
-engine loop (the setup time is loop time: it stalls every running decode), then the bytes
-cross the fabric; the scheduler sees the load finished at its next step boundary. Where the
-transport copies inside post (profile `copy_in_post`), the copy is loop time too.
+Decode side: on `start_load`, for each receive, build descriptors and post the READ — inline,
+on the engine loop (the setup time is loop time: it stalls every running decode), otherwise on
+the reader thread (the loop goes on) — then the bytes cross the fabric; the scheduler sees the
+load finished at its next step boundary. Where the transport copies inside post (profile
+`copy_in_post`), the copy is the poster's time too: loop time when inline.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ __all__ = ["SimPullWorker"]
 
 
 class SimPullWorker(SimKVWorker):
-    def __init__(self, engine_id: str, role: str, fabric: Fabric) -> None:
+    def __init__(self, engine_id: str, role: str, fabric: Fabric, *, inline: bool) -> None:
         super().__init__(engine_id, role, fabric)
+        self.inline = inline
         self._leases: dict[str, tuple[int, ...]] = {}  # prefill side: request id -> blocks
         self._loads: set[str] = set()  # decode side: READs posted, not yet landed
 
@@ -31,7 +34,7 @@ class SimPullWorker(SimKVWorker):
             self.report_settled(request_id)
 
     def _read(self, receive: KVReceive) -> None:
-        """Inline on the loop: descriptors, then the post; the READ runs on the fabric."""
+        """Descriptors, then the post (on the loop when inline); the READ runs on the fabric."""
         params = receive.params
         local = list(receive.block_ids)
         remote = (params.remote_block_ids or [])[: len(local)]
@@ -39,17 +42,17 @@ class SimPullWorker(SimKVWorker):
         cost = self.fabric.cost
         num_descriptors = cost.num_descriptors(local, remote)
         setup_s = cost.setup_s(num_descriptors)
-        self.loop_busy_s += setup_s
-        post_s = self.now_s + self.loop_busy_s
+        post_s = self.now_s + (self.loop_busy_s if self.inline else 0.0) + setup_s
         done_s = self.fabric.transfer(params.remote_engine_id, self.engine_id, len(local), post_s)
         if cost.hardware.copy_in_post:  # the READ returns only once the bytes have moved
             setup_s += done_s - post_s
-            self.loop_busy_s += done_s - post_s
             post_s = done_s
+        if self.inline:
+            self.loop_busy_s += setup_s
         stages = {
             "handoff_setup_s": setup_s,
             "transfer_s": done_s - post_s,
-            "loop_blocked_s": setup_s,
+            "loop_blocked_s": setup_s if self.inline else 0.0,
             "num_descriptors": num_descriptors,
             "num_bytes": cost.kv_bytes(len(local), self.fabric.block_size),
         }

@@ -79,7 +79,7 @@ class SimRouter:
         self._num_in_flight += 1
         if self.mode == "aggregated":
             self._send(self._choose(self.prefill, "prefill"), request, request.output_len, None)
-        elif self.mode == "pull":
+        elif self.mode in ("pull", "pull-inline"):
             params = KVTransferParams(do_remote_decode=True, connector="pull")
             self._send(self._choose(self.prefill, "prefill"), request, 1, params)
         else:
@@ -157,7 +157,7 @@ class SimRouter:
         request.prefill_breakdown = output.breakdown.to_dict() if output.breakdown else {}
         if output.finish_reason is FinishReason.ERROR:
             self.loop.after(self.hop_s, lambda: self._fail(request, output.error or "prefill"))
-        elif self.mode == "pull":
+        elif self.mode in ("pull", "pull-inline"):
             assert output.kv_transfer_params is not None
             params = KVTransferParams.from_dict(dict(output.kv_transfer_params))
             # Late binding: D is chosen when P's answer reaches the router, from live load.

@@ -11,7 +11,8 @@ from disagg.sim.cost import DescriptorLayout
 
 __all__ = ["SimConfig", "SimMode"]
 
-SimMode = Literal["pull", "push", "aggregated"]
+# pull: the READ set up off the decode loop (our default); pull-inline: on it (vLLM's pull)
+SimMode = Literal["pull", "pull-inline", "push", "aggregated"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,14 +39,20 @@ class SimConfig:
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("pull", "push", "aggregated"):
-            raise ValueError(f"mode must be pull, push or aggregated, got {self.mode!r}")
+        if self.mode not in ("pull", "pull-inline", "push", "aggregated"):
+            raise ValueError(
+                f"mode must be pull, pull-inline, push or aggregated, got {self.mode!r}"
+            )
         if self.num_prefill <= 0 or self.num_decode < 0:
             raise ValueError(f"need >= 1 prefill and >= 0 decode instances, got {self}")
         if self.mode != "aggregated" and self.num_decode == 0:
             raise ValueError(f"mode {self.mode} needs at least one decode instance")
         if self.tp <= 0:
             raise ValueError(f"tp must be > 0, got {self.tp}")
+
+    @property
+    def is_pull(self) -> bool:
+        return self.mode in ("pull", "pull-inline")
 
     @property
     def num_instances(self) -> int:

@@ -108,7 +108,7 @@ def test_pull_copy_in_post_blocks_the_decode_loop(tmp_path: Path) -> None:
     path = tmp_path / "cpu-test.toml"
     path.write_text(format_profile(_calibration()))
     kwargs = {"hardware": str(path), "model": "SmolLM2-135M", "layout": "ours"}
-    result, _ = simulate(make_config("pull", num_prompts=4, **kwargs))
+    result, _ = simulate(make_config("pull-inline", num_prompts=4, **kwargs))
     stages = result["mean_breakdown_ms"]
     assert stages["transfer"] == pytest.approx(0.0, abs=1e-9)
     assert stages["loop_blocked"] == pytest.approx(stages["handoff_setup"])

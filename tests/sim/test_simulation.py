@@ -36,7 +36,7 @@ def test_the_real_scheduler_decides_the_batches() -> None:
 
 def test_pull_inline_setup_stalls_decodes_push_does_not() -> None:
     kwargs = {"input_len": 4096, "output_len": 64, "num_prompts": 16, "request_rate": 6.0}
-    pull, pull_cluster = simulate(make_config("pull", tp=4, **kwargs))
+    pull, pull_cluster = simulate(make_config("pull-inline", tp=4, **kwargs))
     push, push_cluster = simulate(make_config("push", tp=4, **kwargs))
     pull_d = pull["instances"]["decode-0"]
     assert pull_d["loop_stalled_s"] > 0
@@ -46,6 +46,18 @@ def test_pull_inline_setup_stalls_decodes_push_does_not() -> None:
     assert pull["mean_breakdown_ms"]["loop_blocked"] > 0
     assert push["mean_breakdown_ms"]["loop_blocked"] == 0
     assert pull["mean_ttft_ms"] > push["mean_ttft_ms"]
+
+
+def test_background_pull_keeps_the_setup_off_the_decode_loop() -> None:
+    """Our default pull: the same setup and transfer as inline, none of it loop time."""
+    kwargs = {"input_len": 4096, "output_len": 64, "num_prompts": 16, "request_rate": 6.0}
+    inline, _ = simulate(make_config("pull-inline", tp=4, **kwargs))
+    background, _ = simulate(make_config("pull", tp=4, **kwargs))
+    assert background["instances"]["decode-0"]["loop_stalled_s"] == 0
+    assert background["mean_breakdown_ms"]["loop_blocked"] == 0
+    setup = background["mean_breakdown_ms"]["handoff_setup"]
+    assert setup == pytest.approx(inline["mean_breakdown_ms"]["handoff_setup"], rel=0.05)
+    assert background["p99_itl_ms"] < inline["p99_itl_ms"] / 2
 
 
 def test_vllm_layout_costs_more_setup_than_ours() -> None:
