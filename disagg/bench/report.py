@@ -183,6 +183,11 @@ def _breakdown_markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _tag(runs: list[dict[str, Any]]) -> str:
+    """Marks plots of `disagg sim` results: a simulated figure never passes for a measured one."""
+    return ", SIMULATED" if all(r.get("simulated") for r in runs) else ""
+
+
 def _plot_vs_rate(plt: Any, runs: list[dict[str, Any]], input_len: int, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (key, name) in zip(
@@ -197,7 +202,7 @@ def _plot_vs_rate(plt: Any, runs: list[dict[str, Any]], input_len: int, path: Pa
             points = [(x, y) for x, y in points if math.isfinite(x)]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=mode)
-        ax.set_title(f"{name} vs request rate (input {input_len} tokens)")
+        ax.set_title(f"{name} vs request rate (input {input_len} tokens){_tag(runs)}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
@@ -239,7 +244,7 @@ def _plot_breakdown(plt: Any, runs: list[dict[str, Any]], path: Path) -> Path:
         if any(heights):
             ax.bar(modes, heights, bottom=bottoms, label=stage)
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.set_title(f"mean TTFT breakdown at {rate:g} req/s, input {input_len} tokens")
+    ax.set_title(f"mean TTFT breakdown at {rate:g} req/s, input {input_len} tokens{_tag(runs)}")
     ax.set_ylabel("ms")
     ax.legend()
     fig.tight_layout()

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-lens", default="256,1024,4096")
     parser.add_argument("--out", required=True, help="JSON list of bench-keyed results")
     parser.add_argument(
+        "--plot-dir", default=None, help="also write disagg bench sweep's plots here (marked)"
+    )
+    parser.add_argument(
         "--keep-per-request", action="store_true", help="keep ttfts/itls/... per request"
     )
 
@@ -66,4 +69,9 @@ def run(args: argparse.Namespace, base: SimConfig) -> int:
                 )
     Path(args.out).write_text(json.dumps(runs, indent=1) + "\n")
     print(f"wrote {len(runs)} runs to {args.out}")
+    if args.plot_dir:
+        from disagg.bench import report  # matplotlib: only when plots are asked for
+
+        for path in report.plot_sweep(runs, args.plot_dir):
+            print(f"wrote {path}")
     return 0

@@ -30,6 +30,19 @@ def test_sweep_writes_one_bench_keyed_entry_per_point(tmp_path: Path) -> None:
     assert all(r["completed"] == 4 and "median_tpot_ms" in r and "ttfts" not in r for r in runs)
 
 
+def test_sweep_plots_are_the_bench_sweeps_and_say_simulated(tmp_path: Path) -> None:
+    from disagg.bench.report import _tag
+
+    out, plots = tmp_path / "sim_sweep.json", tmp_path / "plots"
+    argv = ["sim", *_FLAGS, "sweep", "--modes", "pull,push", "--request-rates", "1,4"]
+    assert main([*argv, "--input-lens", "256", "--out", str(out), "--plot-dir", str(plots)]) == 0
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["ttft_breakdown.png", "ttft_tpot_vs_rate_in256.png"]
+    runs = json.loads(out.read_text())
+    assert _tag(runs) == ", SIMULATED"
+    assert _tag([{**runs[0], "simulated": False}, *runs[1:]]) == ""  # a measured run: no tag
+
+
 def test_validate_predicts_each_measured_point(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     sweep = tmp_path / "sim_sweep.json"
     argv = ["sim", *_FLAGS, "sweep", "--modes", "aggregated", "--request-rates", "2"]
