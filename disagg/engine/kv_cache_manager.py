@@ -7,7 +7,7 @@ counts and the hash -> block map): block ids and token counts only.
 
 from __future__ import annotations
 
-from disagg.engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from disagg.engine.block_pool import BlockHash, BlockPool, hash_blocks
 from disagg.engine.request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
@@ -54,11 +54,12 @@ class KVCacheManager:
         """Publish every newly completed block under its hash, for later prefix matches."""
         bs = self.block_size
         num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
-        for index in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = hash_block_tokens(
-                parent, request.token_slice(index * bs, (index + 1) * bs)
-            )
+        first = len(request.block_hashes)
+        if num_full <= first:
+            return
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        new = hash_blocks(parent, request.token_slice(first * bs, num_full * bs), bs)
+        for index, block_hash in enumerate(new, start=first):
             request.block_hashes.append(block_hash)
             self.block_pool.cache(request.block_ids[index], block_hash)
 
@@ -77,10 +78,6 @@ class KVCacheManager:
         return max(0, needed - len(request.block_ids))
 
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        bs = self.block_size
-        hashes: list[BlockHash] = []
-        parent = None
-        for index in range(num_blocks):
-            parent = hash_block_tokens(parent, request.token_slice(index * bs, (index + 1) * bs))
-            hashes.append(parent)
-        return hashes
+        return hash_blocks(
+            None, request.token_slice(0, num_blocks * self.block_size), self.block_size
+        )

@@ -99,3 +99,15 @@ def test_randomized_allocate_free_share_evict():
     assert pool.num_free_blocks == 64
     pool.check_integrity()
     del hashes
+
+
+def test_hash_blocks_chains_exactly_as_block_by_block_hashing() -> None:
+    from disagg.engine.block_pool import hash_blocks
+
+    tokens = list(range(1000, 1037))  # 4 full blocks of 8 and a partial one
+    expected, parent = [], None
+    for start in range(0, 32, 8):
+        parent = hash_block_tokens(parent, tokens[start : start + 8])
+        expected.append(parent)
+    assert hash_blocks(None, tokens, 8) == expected
+    assert hash_blocks(expected[1], tokens[16:32], 8) == expected[2:]
