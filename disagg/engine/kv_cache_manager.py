@@ -57,8 +57,7 @@ class KVCacheManager:
         first = len(request.block_hashes)
         if num_full <= first:
             return
-        parent = request.block_hashes[-1] if request.block_hashes else None
-        new = hash_blocks(parent, request.token_slice(first * bs, num_full * bs), bs)
+        new = self._chain_hashes(request, num_full)[first:num_full]
         for index, block_hash in enumerate(new, start=first):
             request.block_hashes.append(block_hash)
             self.block_pool.cache(request.block_ids[index], block_hash)
@@ -78,6 +77,9 @@ class KVCacheManager:
         return max(0, needed - len(request.block_ids))
 
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        return hash_blocks(
-            None, request.token_slice(0, num_blocks * self.block_size), self.block_size
-        )
+        """The first `num_blocks` chain digests of the request's tokens, extending its memo."""
+        chain, bs = request.chain_hashes, self.block_size
+        if len(chain) < num_blocks:
+            parent = chain[-1] if chain else None
+            chain += hash_blocks(parent, request.token_slice(len(chain) * bs, num_blocks * bs), bs)
+        return chain[:num_blocks]

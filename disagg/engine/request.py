@@ -54,6 +54,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a remote prefill
     block_ids: list[int] = field(default_factory=list)  # covers num_computed_tokens (and more)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks so far
+    # The chain digests of the token sequence's full blocks as far as any lookup has needed them:
+    # tokens are only appended, so a computed prefix of the chain never changes (computed once,
+    # not again when the blocks are published).
+    chain_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None  # set with FINISHED_ERROR
     finish_status: RequestStatus | None = None  # how it finished (status may then be KV_SEND)
