@@ -24,12 +24,30 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("disagg")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="disagg", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="disagg",
+        description="LLM serving with prefill and decode on separate instances: run "
+        "instances and a router, watch them, benchmark them, simulate them on GPUs.",
+        epilog="`disagg COMMAND --help` describes each command.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    if argv[:1] == ["--version"]:
+        print(f"disagg {_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help or the error, then exits
         return 2

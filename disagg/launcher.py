@@ -306,7 +306,10 @@ def _announce(cluster: Cluster) -> None:
     num_decode = sum(len(urls) for role, urls in cluster.instance_urls.items() if role != "prefill")
     num_prefill = len(cluster.instance_urls.get("prefill", []))
     ready = f"disagg up ready on {url_of(cfg.host, cluster.port)}"
-    _say(f"{ready} (mode {cfg.mode}: {num_prefill} prefill, {num_decode} decode)")
+    if cfg.mode == "aggregated":
+        _say(f"{ready} (mode aggregated: {num_decode} instance(s), prefill and decode in each)")
+    else:
+        _say(f"{ready} (mode {cfg.mode}: {num_prefill} prefill, {num_decode} decode)")
     body = json.dumps({"model": cfg.model, "prompt": "Hello", "max_tokens": 16})
     _say(
         f"  try: curl -s {cluster.url}/v1/completions -H 'Content-Type: application/json' "

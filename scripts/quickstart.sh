@@ -27,7 +27,7 @@ echo "--- chat through the $MODE cluster"
 curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' -d '{
   "model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
   "messages": [{"role": "user", "content": "What is the capital of France?"}]}' |
-  python -c 'import json,sys; r=json.load(sys.stdin); print(r["choices"][0]["message"]["content"]); print("TTFT breakdown (s):", r.get("disagg", {}).get("breakdown"))'
+  python -c 'import json,sys; r=json.load(sys.stdin); print(r["choices"][0]["message"]["content"]); b=r.get("disagg", {}).get("breakdown") or {}; print("TTFT breakdown:", ", ".join(f"{k[:-2]} {v*1e3:.1f} ms" for k, v in b.items() if k.endswith("_s") and v))'
 
 echo "--- benchmark: 16 random-token prompts of 128 tokens, 16 output tokens, 0.5 req/s"
 disagg bench --base-url "$URL" --dataset random --random-input-len 128 --random-output-len 16 \

@@ -143,7 +143,7 @@ def test_up_aggregated_serves_then_stops_on_sigterm(tiny_model: Path, tmp_path: 
         is_ready = _wait_for(lambda: "disagg up ready on" in out_path.read_text(), 120)
         assert is_ready, out_path.read_text()
         output = out_path.read_text()
-        assert f"ready on http://127.0.0.1:{port} (mode aggregated: 0 prefill, 1 decode)" in output
+        assert f"ready on http://127.0.0.1:{port} (mode aggregated: 1 instance(s)" in output
         session, url = _session(), f"http://127.0.0.1:{port}"
         resp = _complete(session, url)
         assert resp.status_code == 200, resp.text

@@ -250,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"disagg bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(report.format_table(result, cfg.percentiles))
+    if failures := report.failure_summary(result):
+        print(failures, file=sys.stderr)
     if args.result_file:
         report.write_json(result, args.result_file)
     if args.plot_dir:

@@ -183,6 +183,23 @@ def _breakdown_markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def failure_summary(result: dict[str, Any], most: int = 5) -> str:
+    """The distinct error messages of failed requests, most frequent first, with counts: a
+    table of zeros must say why ("" when nothing failed)."""
+    counts: dict[str, int] = {}
+    for error in result.get("errors") or []:
+        if error:
+            counts[error] = counts.get(error, 0) + 1
+    if not counts:
+        return ""
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    lines = [f"{sum(counts.values())} request(s) failed:"]
+    lines += [f"  {n} x {message[:300]}" for message, n in ranked[:most]]
+    if len(ranked) > most:
+        lines.append(f"  ... and {len(ranked) - most} other distinct error(s)")
+    return "\n".join(lines)
+
+
 def _tag(runs: list[dict[str, Any]]) -> str:
     """Marks plots of `disagg sim` results: a simulated figure never passes for a measured one."""
     return ", SIMULATED" if all(r.get("simulated") for r in runs) else ""

@@ -113,3 +113,15 @@ def test_single_run_table_and_json_line() -> None:
     assert "queue (ms):                             20.00" in table
     line = json.loads(to_json_line(result))
     assert line["completed"] == 3 and "ttfts" not in line and "errors" not in line
+
+
+def test_failure_summary_names_each_distinct_error_with_its_count() -> None:
+    from disagg.bench.report import failure_summary
+
+    result = {"errors": ["", "HTTP 400: bad model", "", "HTTP 400: bad model", "Timeout: 600 s"]}
+    assert failure_summary(result).splitlines() == [
+        "3 request(s) failed:",
+        "  2 x HTTP 400: bad model",
+        "  1 x Timeout: 600 s",
+    ]
+    assert failure_summary({"errors": ["", ""]}) == ""
