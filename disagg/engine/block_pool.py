@@ -13,28 +13,22 @@ import array
 import hashlib
 from collections import OrderedDict
 
-__all__ = ["BlockHash", "BlockPool", "hash_block_tokens", "hash_blocks"]
+__all__ = ["BlockHash", "BlockPool", "hash_blocks"]
 
 
 BlockHash = bytes  # a SHA-256 digest
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """SHA-256 of a full block chained to its parent's digest, so equal blocks at different
-    positions (or after different prefixes) get different keys. Cryptographic on purpose:
-    Python's hash() of ints is predictable, so a client could craft a prompt whose blocks
-    collide with another client's and be served (or poison) their KV."""
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(array.array("q", token_ids).tobytes())  # fixed width: no ambiguous joins
-    return digest.digest()
-
-
 def hash_blocks(
     parent_hash: BlockHash | None, token_ids: list[int], block_size: int
 ) -> list[BlockHash]:
-    """`hash_block_tokens` chained over every full block of `token_ids`, the same digests,
-    converting the ids to bytes once: a 16k-token prompt is 1024 blocks, and per-block
-    conversion was most of the cost of hashing it."""
+    """SHA-256 digest of every full block of `token_ids`, each chained to its parent's digest
+    (`parent_hash` for the first), so equal blocks at different positions (or after different
+    prefixes) get different keys. Cryptographic on purpose: Python's hash() of ints is
+    predictable, so a client could craft a prompt whose blocks collide with another client's
+    and be served (or poison) their KV. Ids are hashed as fixed-width int64 (no ambiguous
+    joins), converted to bytes once for all blocks: per-block conversion was most of the cost
+    of hashing a 16k-token prompt."""
     raw = memoryview(array.array("q", token_ids).tobytes())
     step = block_size * 8
     hashes: list[BlockHash] = []

@@ -8,13 +8,9 @@ never assumed from the machine kind.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 __all__ = ["TORCH_DTYPES", "cpu_has_fast_bf16", "resolve_dtype"]
-
-log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

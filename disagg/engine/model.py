@@ -31,9 +31,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op. In fp32 it is the reference's math; in bf16/fp16 it normalizes in fp32
-        # and rounds once, where the reference rounds before the weight multiply too (measured:
-        # as close to an fp32 result as the reference is, and 1 op instead of 8).
+        # torch's rms_norm: in fp32 the reference's math; in bf16/fp16 it normalizes in fp32 and
+        # rounds once, where the reference rounds before the weight multiply too (measured: as
+        # close to an fp32 result as the reference is, and ~20% faster than the reference's
+        # eight separate calls on CPU, where rms_norm is itself a composite op).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from disagg.engine.checkpoint import ModelSpec
 
-__all__ = ["apply_rope", "cos_sin", "inv_freq_and_scale", "rope_tables", "rotate"]
+__all__ = ["cos_sin", "inv_freq_and_scale", "rope_tables", "rotate"]
 
 
 def inv_freq_and_scale(spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -63,11 +63,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * signed_sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim]."""
-    return rotate(x, *rope_tables(cos, sin, x.dtype))
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:

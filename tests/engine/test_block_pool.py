@@ -1,10 +1,12 @@
 """Block pool: allocation, sharing, caching, eviction order, and a randomized invariant run."""
 
+import array
+import hashlib
 import random
 
 import pytest
 
-from disagg.engine.block_pool import BlockPool, hash_block_tokens
+from disagg.engine.block_pool import BlockPool, hash_blocks
 
 
 def test_allocate_free_roundtrip():
@@ -19,7 +21,7 @@ def test_allocate_free_roundtrip():
 def test_cached_block_survives_free_and_is_found():
     pool = BlockPool(4)
     (block,) = pool.allocate(1)
-    h = hash_block_tokens(None, [1, 2, 3, 4])
+    (h,) = hash_blocks(None, [1, 2, 3, 4], 4)
     pool.cache(block, h)
     pool.free([block])
     assert pool.num_free_blocks == 4  # cached-but-unreferenced counts as free
@@ -52,9 +54,8 @@ def test_eviction_drops_the_hash():
 
 
 def test_hash_chains_on_parent():
-    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(
-        hash_block_tokens(None, [0]), [1, 2]
-    )
+    (parent,) = hash_blocks(None, [0], 1)
+    assert hash_blocks(None, [1, 2], 2) != hash_blocks(parent, [1, 2], 2)
 
 
 def test_free_of_free_block_is_an_invariant_error():
@@ -102,12 +103,12 @@ def test_randomized_allocate_free_share_evict():
 
 
 def test_hash_blocks_chains_exactly_as_block_by_block_hashing() -> None:
-    from disagg.engine.block_pool import hash_blocks
-
+    """The digest's definition, written out: SHA-256(parent digest || the block's int64 ids)."""
     tokens = list(range(1000, 1037))  # 4 full blocks of 8 and a partial one
-    expected, parent = [], None
+    expected, parent = [], b""
     for start in range(0, 32, 8):
-        parent = hash_block_tokens(parent, tokens[start : start + 8])
+        block = array.array("q", tokens[start : start + 8]).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
         expected.append(parent)
     assert hash_blocks(None, tokens, 8) == expected
     assert hash_blocks(expected[1], tokens[16:32], 8) == expected[2:]

@@ -12,7 +12,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from disagg.engine.checkpoint import ModelSpec
-from disagg.engine.rope import apply_rope, cos_sin, inv_freq_and_scale
+from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables, rotate
 
 torch.set_num_threads(1)
 
@@ -102,7 +102,8 @@ def test_cos_sin_and_apply_match_transformers(name: str) -> None:
     torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
     hf_x, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], hf_cos, hf_sin)
-    torch.testing.assert_close(apply_rope(x, cos, sin), hf_x[0].transpose(0, 1), rtol=0, atol=1e-6)
+    ours = rotate(x, *rope_tables(cos, sin, x.dtype))
+    torch.testing.assert_close(ours, hf_x[0].transpose(0, 1), rtol=0, atol=1e-6)
 
 
 def test_rope_scaling_changes_frequencies() -> None:
@@ -117,11 +118,11 @@ def test_rope_scaling_changes_frequencies() -> None:
     assert inv_freq_and_scale(specs["yarn-qwen3"])[1] > 1.0
 
 
-def test_apply_rope_preserves_norm_and_position_zero() -> None:
+def test_rotation_preserves_norm_and_position_zero() -> None:
     spec = _hf_and_spec("default-smollm2")[2]
     x = torch.randn(3, 2, spec.head_dim, generator=torch.Generator().manual_seed(1))
     cos, sin = cos_sin(*inv_freq_and_scale(spec), torch.tensor([0, 5, 900]))
-    out = apply_rope(x, cos, sin)
+    out = rotate(x, *rope_tables(cos, sin, x.dtype))
     torch.testing.assert_close(out[0], x[0])  # position 0 is the identity
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation
     assert not torch.allclose(out[1], x[1])
