@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 from collections import OrderedDict
 
 __all__ = ["BlockHash", "BlockPool", "hash_blocks"]
@@ -29,14 +30,12 @@ def hash_blocks(
     and be served (or poison) their KV. Ids are hashed as fixed-width int64 (no ambiguous
     joins), converted to bytes once for all blocks: per-block conversion was most of the cost
     of hashing a 16k-token prompt."""
-    raw = memoryview(array.array("q", token_ids).tobytes())
-    step = block_size * 8
+    raw = array.array("q", token_ids).tobytes()
+    step, sha256, digest = block_size * 8, hashlib.sha256, parent_hash or b""
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) // block_size * step, step):
-        digest = hashlib.sha256(parent_hash or b"")
-        digest.update(raw[start : start + step])
-        parent_hash = digest.digest()
-        hashes.append(parent_hash)
+        digest = sha256(digest + raw[start : start + step]).digest()
+        hashes.append(digest)
     return hashes
 
 
@@ -66,12 +65,17 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks (ref count 1), evicting cached ones oldest first."""
         assert self.can_allocate(num_blocks), f"allocate({num_blocks}) with {len(self._free)} free"
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            self._uncache(block_id)
-            self._ref_counts[block_id] = 1
-            block_ids.append(block_id)
+        # Whole-list operations, not a loop of calls per block: a 16k-token prompt takes 1,024
+        # blocks here, and this (with cache_blocks) was a quarter of the simulator's time.
+        free, hash_of, block_of, refs = self._free, self._hash_of, self._block_of, self._ref_counts
+        block_ids = list(itertools.islice(free, num_blocks))  # the oldest free blocks
+        for block_id in block_ids:
+            del free[block_id]
+            refs[block_id] = 1
+        evicted = [hash_of.pop(block_id, None) for block_id in block_ids]
+        for block_hash in evicted:
+            if block_hash is not None:
+                del block_of[block_hash]
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
@@ -108,20 +112,27 @@ class BlockPool:
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Publish a full, computed block under its hash (first writer wins)."""
-        if not self.enable_caching or block_id in self._hash_of:
+        self.cache_blocks([block_id], [block_hash])
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+        """`cache` for each (block, hash) pair, in one call: a prompt publishes its blocks
+        together, and per-block calls were a large share of a long prompt's bookkeeping."""
+        if not self.enable_caching:
             return
-        assert self._ref_counts[block_id] > 0, f"caching unreferenced block {block_id}"
-        if block_hash not in self._block_of:
-            self._block_of[block_hash] = block_id
-            self._hash_of[block_id] = block_hash
+        hash_of, block_of = self._hash_of, self._block_of
+        fresh = [
+            (block_id, block_hash)
+            for block_id, block_hash in zip(block_ids, block_hashes, strict=True)
+            if block_id not in hash_of and block_hash not in block_of
+        ]
+        assert all(self._ref_counts[b] > 0 for b, _ in fresh), "caching an unreferenced block"
+        # Built from the pairs reversed, so of two blocks under one hash the first is kept.
+        published = {block_hash: block_id for block_id, block_hash in reversed(fresh)}
+        block_of.update(published)
+        hash_of.update((block_id, block_hash) for block_hash, block_id in published.items())
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
-
-    def _uncache(self, block_id: int) -> None:
-        block_hash = self._hash_of.pop(block_id, None)
-        if block_hash is not None:
-            del self._block_of[block_hash]
 
     def check_integrity(self) -> None:
         """Raise with the disagreeing numbers if the books do not balance."""

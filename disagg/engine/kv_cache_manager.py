@@ -58,9 +58,8 @@ class KVCacheManager:
         if num_full <= first:
             return
         new = self._chain_hashes(request, num_full)[first:num_full]
-        for index, block_hash in enumerate(new, start=first):
-            request.block_hashes.append(block_hash)
-            self.block_pool.cache(request.block_ids[index], block_hash)
+        request.block_hashes.extend(new)
+        self.block_pool.cache_blocks(request.block_ids[first:num_full], new)
 
     def free(self, request: Request) -> None:
         self.block_pool.free(request.block_ids)

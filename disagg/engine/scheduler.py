@@ -7,8 +7,6 @@ flight are states (WAITING_FOR_REMOTE_KV, WAITING_FOR_KV_SEND), never sleeps or 
 
 from __future__ import annotations
 
-from collections import deque
-
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_cache_manager import KVCacheManager
@@ -21,6 +19,7 @@ from disagg.engine.outputs import (
     SchedulerOutput,
 )
 from disagg.engine.request import Request, RequestStatus
+from disagg.engine.waiting_queue import WaitingQueue
 from disagg.protocol import RequestOutput
 
 __all__ = ["Scheduler"]
@@ -43,7 +42,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
         self.requests: dict[str, Request] = {}  # every request not yet released
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.sending: dict[str, Request] = {}  # WAITING_FOR_KV_SEND
@@ -379,6 +378,14 @@ class Scheduler:
         """Raise if the pool's books disagree, or if a block some transfer may still touch is
         free (it could be handed to another request while bytes land in it)."""
         self.block_pool.check_integrity()
+        queued = [(r.request_id, r.num_computed_tokens) for r in self.waiting]
+        if self.waiting.num_tokens != sum(r.num_tokens for r in self.waiting) or any(
+            computed for _, computed in queued
+        ):
+            raise AssertionError(
+                f"waiting queue's token sum {self.waiting.num_tokens} is stale, or a waiting "
+                f"request holds computed tokens: {queued[:8]}"
+            )
         if self.connector is None:
             return
         exposed = sorted(
@@ -390,7 +397,9 @@ class Scheduler:
     # ------------------------------------------------------------------ observability
 
     def load(self) -> dict[str, int]:
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        # Waiting requests hold no computed tokens between steps (a head that could not start
+        # is reset), so the queue's token sum is what is left to prefill there.
+        queued = self.waiting.num_tokens
         # A running request with more than one token left is mid-prefill (decodes have one).
         queued += sum(
             left for r in self.running if (left := r.num_tokens - r.num_computed_tokens) > 1

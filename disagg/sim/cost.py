@@ -75,13 +75,10 @@ class CostModel:
     def step_flops(self, batch: list[StepShape]) -> float:
         """FLOPs of the whole step, all ranks together."""
         s = self.shape
-        flops = 0.0
-        for item in batch:
-            flops += 2.0 * s.num_body_params * item.num_tokens
-            flops += s.attention_flops(item.num_tokens, item.context_len)
-            if item.do_sample:
-                flops += 2.0 * s.num_lm_head_params
-        return flops
+        num_tokens = sum(item.num_tokens for item in batch)
+        num_sampled = sum(1 for item in batch if item.do_sample)
+        flops = 2.0 * (s.num_body_params * num_tokens + s.num_lm_head_params * num_sampled)
+        return flops + sum(s.attention_flops(i.num_tokens, i.context_len) for i in batch)
 
     def step_bytes(self, batch: list[StepShape]) -> float:
         """Bytes one rank reads and writes: its weights once, each request's KV context read,

@@ -1,9 +1,11 @@
 """`disagg sim plan`: the cheapest deployments that meet TTFT and TPOT SLOs at a request rate.
 
-Searches mode x prefill count x decode count (aggregated: instance count) in order of GPUs,
-simulates each under the same seeded workload, and stops after the smallest GPU count at which
-some deployment meets the SLOs. A deployment meets them when at least `--attainment` of its
-requests meet both (the bench's goodput definition).
+Searches mode x prefill count x decode count (aggregated: instance count) x tensor parallelism
+(`--tps`; every instance of a deployment at the same TP, since our KV handoff moves each rank's
+shard to the same rank) in order of GPUs, simulates each under the same seeded workload, and
+stops after the smallest GPU count at which some deployment meets the SLOs. A deployment meets
+them when at least `--attainment` of its requests meet both (the bench's goodput definition).
+A TP at which the model's weights do not fit one instance's GPUs is skipped.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg.sim.cluster import run_simulation
+from disagg.sim.cost import CostModel
+from disagg.sim.hardware import load_profile
+from disagg.sim.model_shape import load_shape
 from disagg.sim.sim_config import SimConfig
 
-__all__ = ["PlanRow", "add_arguments", "candidates", "plan", "run"]
+__all__ = ["PlanRow", "add_arguments", "by_gpu_count", "candidates", "plan", "run"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +61,42 @@ def _evaluate(config: SimConfig) -> PlanRow:
     return PlanRow(config, attainment, result["p90_ttft_ms"], result["median_tpot_ms"])
 
 
-def plan(base: SimConfig, modes: list[str], max_gpus: int, attainment: float) -> list[PlanRow]:
+def _fits(config: SimConfig) -> bool:
+    try:
+        shape, profile = load_shape(config.model), load_profile(config.hardware)
+        CostModel(shape, profile, config.tp).num_blocks(config.block_size)
+    except ValueError:  # the weights alone overflow the instance's memory
+        return False
+    return True
+
+
+def by_gpu_count(
+    base: SimConfig, modes: list[str], tps: list[int], max_gpus: int
+) -> list[tuple[int, list[SimConfig]]]:
+    """Every deployment within `max_gpus`, grouped by GPU count, fewest first."""
+    groups: dict[int, list[SimConfig]] = {}
+    for tp in sorted(set(tps)):
+        sized = replace(base, tp=tp)
+        if not _fits(sized):
+            continue
+        for num_instances in range(1, max_gpus // tp + 1):
+            groups.setdefault(num_instances * tp, []).extend(
+                candidates(sized, modes, num_instances)
+            )
+    return sorted(groups.items())
+
+
+def plan(
+    base: SimConfig,
+    modes: list[str],
+    max_gpus: int,
+    attainment: float,
+    tps: list[int] | None = None,
+) -> list[PlanRow]:
     """Rows of every deployment tried, up to the first GPU count where one meets the SLOs."""
     rows: list[PlanRow] = []
-    for num_instances in range(1, max_gpus // base.tp + 1):
-        tried = [_evaluate(c) for c in candidates(base, modes, num_instances)]
+    for _, configs in by_gpu_count(base, modes, tps or [base.tp], max_gpus):
+        tried = [_evaluate(c) for c in configs]
         rows.extend(tried)
         if any(row.attainment >= attainment for row in tried):
             break
@@ -68,15 +104,17 @@ def plan(base: SimConfig, modes: list[str], max_gpus: int, attainment: float) ->
 
 
 def format_rows(rows: list[PlanRow], attainment: float) -> str:
-    lines = ["| mode | prefill | decode | GPUs | SLO met by | p90 TTFT ms | median TPOT ms | ok |"]
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines = [
+        "| mode | prefill | decode | TP | GPUs | SLO met by | p90 TTFT ms | median TPOT ms | ok |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     ranked = sorted(rows, key=lambda r: (r.attainment < attainment, r.num_gpus, -r.attainment))
     for r in ranked:
         c = r.config
         decode = c.num_decode if c.mode != "aggregated" else "-"
         ok = "yes" if r.attainment >= attainment else "no"
         lines.append(
-            f"| {c.mode} | {c.num_prefill} | {decode} | {r.num_gpus} | {r.attainment:.0%} "
+            f"| {c.mode} | {c.num_prefill} | {decode} | {c.tp} | {r.num_gpus} | {r.attainment:.0%} "
             f"| {r.p90_ttft_ms:.0f} | {r.median_tpot_ms:.1f} | {ok} |"
         )
     return "\n".join(lines)
@@ -88,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gpus", type=int, default=8)
     parser.add_argument("--modes", default="pull,push,aggregated")
     parser.add_argument(
+        "--tps",
+        default=None,
+        help="tensor-parallel sizes to search, comma-separated (default: the --tp given)",
+    )
+    parser.add_argument(
         "--attainment", type=float, default=0.9, help="fraction of requests that must meet both"
     )
 
@@ -96,9 +139,22 @@ def run(args: argparse.Namespace, base: SimConfig) -> int:
     slos = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
     base = replace(base, goodput_slos_ms=slos)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    rows = plan(base, modes, args.max_gpus, args.attainment)
+    tps = _int_list(args.tps) if args.tps else [base.tp]
+    rows = plan(base, modes, args.max_gpus, args.attainment, tps)
+    if not rows:
+        raise SystemExit(f"error: {base.model} fits no TP in {tps} within {args.max_gpus} GPUs")
     print(format_rows(rows, args.attainment))
     return 0 if any(r.attainment >= args.attainment for r in rows) else 1
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --tps takes comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"error: --tps takes positive integers, got {text!r}")
+    return values
 
 
 def summary(rows: list[PlanRow]) -> list[dict[str, Any]]:
@@ -107,6 +163,7 @@ def summary(rows: list[PlanRow]) -> list[dict[str, Any]]:
             "mode": r.config.mode,
             "num_prefill": r.config.num_prefill,
             "num_decode": r.config.num_decode,
+            "tp": r.config.tp,
             "num_gpus": r.num_gpus,
             "attainment": r.attainment,
         }

@@ -112,3 +112,13 @@ def test_hash_blocks_chains_exactly_as_block_by_block_hashing() -> None:
         expected.append(parent)
     assert hash_blocks(None, tokens, 8) == expected
     assert hash_blocks(expected[1], tokens[16:32], 8) == expected[2:]
+
+
+def test_cache_blocks_keeps_the_first_writer_of_a_hash_within_one_call() -> None:
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.cache_blocks([a, b, c], [b"x", b"x", b"y"])
+    assert pool.lookup([b"x", b"y"]) == [a, c]
+    pool.free([a, b, c])
+    pool.check_integrity()  # b was never published: the two maps still agree
+    assert pool.allocate(4)[0] == b  # uncached free blocks are reused first

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.sim.plan import candidates, format_rows, plan
+from disagg.sim.plan import by_gpu_count, candidates, format_rows, plan
 from tests.sim.helpers import make_config
 
 
@@ -29,3 +29,24 @@ def test_plan_tries_every_size_when_nothing_meets() -> None:
     rows = plan(base, ["pull"], max_gpus=3, attainment=0.9)
     assert {r.config.num_instances for r in rows} == {2, 3}
     assert all(r.attainment == 0 for r in rows)
+
+
+def test_tp_search_groups_by_gpu_count_and_skips_tps_that_do_not_fit() -> None:
+    # Llama-3-70B's bf16 weights (~141 GB) overflow one H200 (141 GB x 0.9 usable): tp=1 is out.
+    base = make_config(model="Llama-3-70B")
+    groups = by_gpu_count(base, ["push", "aggregated"], tps=[1, 2, 4], max_gpus=8)
+    assert [gpus for gpus, _ in groups] == [2, 4, 6, 8]
+    for gpus, configs in groups:
+        assert all(c.num_gpus == gpus and c.tp in (2, 4) for c in configs)
+    eight = {(c.mode, c.tp, c.num_prefill, c.num_decode) for c in dict(groups)[8]}
+    assert ("push", 4, 1, 1) in eight and ("push", 2, 1, 3) in eight
+
+
+def test_plan_reports_the_tp_of_each_row() -> None:
+    base = replace(
+        make_config(num_prompts=6, input_len=256, output_len=8, request_rate=2.0),
+        goodput_slos_ms={"ttft": 0.001, "tpot": 0.001},  # nothing meets: every size is tried
+    )
+    rows = plan(base, ["push"], max_gpus=4, attainment=0.9, tps=[1, 2])
+    assert {(r.config.tp, r.num_gpus) for r in rows} == {(1, 2), (1, 3), (1, 4), (2, 4)}
+    assert "| TP |" in format_rows(rows, 0.9).splitlines()[0]
