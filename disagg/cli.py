@@ -2,12 +2,19 @@
 
 Modules are imported lazily so that `disagg route` and `disagg bench` never import torch.
 Each command module exposes `add_arguments(parser)` and `run(args) -> int`.
+
+Errors a user causes (a bad model directory, a missing tokenizer, an unsupported architecture,
+a port in use, a missing transport library) end the command with one line naming the thing,
+exit code 2 for bad input and 1 for the environment; `--debug` (anywhere on the line) or
+DISAGG_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 __all__ = ["main"]
@@ -24,6 +31,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except empty ones and where the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, "", [], False, True):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -35,6 +52,8 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("DISAGG_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(
         prog="disagg",
         description="LLM serving with prefill and decode on separate instances: run "
@@ -42,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="`disagg COMMAND --help` describes each command.",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -52,10 +72,39 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints help or the error, then exits
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"disagg {argv[0]}", description=COMMANDS[argv[0]][1])
+    cmd_parser = argparse.ArgumentParser(
+        prog=f"disagg {argv[0]}",
+        description=COMMANDS[argv[0]][1],
+        formatter_class=_HelpFormatter,
+    )
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if debug or not _is_user_error(exc):
+            raise
+        print(f"disagg {argv[0]}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1 if isinstance(exc, OSError) and not _is_missing_file(exc) else 2
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from disagg.kv.transport.base import TransportError  # no torch, no NIXL
+
+    return isinstance(exc, ValueError | OSError | TransportError)
+
+
+def _is_missing_file(exc: OSError) -> bool:
+    return exc.errno == errno.ENOENT or isinstance(exc, FileNotFoundError)
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"{exc.strerror or exc}: another process listens there; choose another --port"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text + " (--debug shows the traceback)"
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ _MIN_TOKEN_CHARS = 16
 
 Role = Literal["both", "prefill", "decode"]
 ConnectorName = Literal["pull", "push"]
-TransportName = Literal["nixl", "tcp", "local"]
+# auto: NIXL when it is installed, else TCP (resolved once per process, and logged).
+TransportName = Literal["auto", "nixl", "tcp", "local"]
 FailurePolicy = Literal["fail", "recompute"]
 PullSetup = Literal["background", "inline"]
 RouterMode = Literal["aggregated", "pull", "push"]
@@ -98,7 +99,7 @@ class CacheConfig:
 class KVTransferConfig:
     role: Role = "both"
     connector: ConnectorName = "pull"  # ignored when role == "both"
-    transport: TransportName = "nixl"
+    transport: TransportName = "auto"
     host: str = "127.0.0.1"  # address peers use to reach this instance (HTTP side channel + KV)
     engine_id: str = ""  # "" = derived from host and port at start
     lease_s: float = 30.0  # P keeps blocks this long for a pull that never comes

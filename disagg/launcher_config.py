@@ -33,7 +33,8 @@ __all__ = [
     "merge_config",
 ]
 
-UpTransport = Literal["nixl", "tcp"]  # "local" is in-process only: useless across processes
+# auto: nixl when installed, else tcp. "local" is in-process only: useless across processes.
+UpTransport = Literal["auto", "nixl", "tcp"]
 
 # Flags the launcher sets on every instance; a pass-through copy would break the cluster's wiring.
 _OWNED_SERVE_FLAGS = ("--model", "--host", "--port", "--role", "--kv-connector", "--kv-transport")
@@ -51,7 +52,7 @@ class ClusterConfig:
     model: str = field_help(EngineConfig)["model"][0]  # short name or model directory
     host: str = "127.0.0.1"  # every process binds here; the router's URL is the cluster's
     port: int = field_help(RouterConfig)["port"][0]  # the router's; 0 = a free one
-    kv_transport: UpTransport = "nixl"
+    kv_transport: UpTransport = "auto"
     policy: PolicyName = "round_robin"
     # Pull: decode instances post READs on their own thread (background) or on the loop.
     pull_setup: PullSetup = field_help(KVTransferConfig)["pull_setup"][0]
@@ -208,7 +209,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Every default is None, so that a flag left out does not override the --config file.
     d = {f.name: f.default for f in fields(ClusterConfig)}
     add = parser.add_argument
-    add("--mode", choices=get_args(RouterMode), help=f"(default: {d['mode']})")
+    add(
+        "--mode", choices=get_args(RouterMode),
+        help=f"push / pull: prefill and decode instances; aggregated: instances that do "
+        f"both (default: {d['mode']})",
+    )  # fmt: skip
     add("--num-prefill", type=int, help="prefill instances (default: 1; 0 when aggregated)")
     add(
         "--num-decode",
@@ -218,18 +223,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", help=f"short name or model directory (default: {d['model']})")
     add("--port", type=int, help=f"router port; 0 = a free one (default: {d['port']})")
     add("--host", help=f"bind address of every process (default: {d['host']})")
-    add("--kv-transport", choices=get_args(UpTransport), help=f"(default: {d['kv_transport']})")
-    add("--policy", choices=get_args(PolicyName), help=f"(default: {d['policy']})")
+    add(
+        "--kv-transport", choices=get_args(UpTransport),
+        help=f"KV transfer library; auto = nixl when installed (pip install 'disagg[nixl]'), "
+        f"else tcp (default: {d['kv_transport']})",
+    )  # fmt: skip
+    add(
+        "--policy", choices=get_args(PolicyName),
+        help=f"the router's choice of instance (default: {d['policy']})",
+    )  # fmt: skip
     add(
         "--pull-setup",
         choices=get_args(PullSetup),
         help="pull: decode instances build descriptors and post READs on their own thread "
         f"(background) or on the engine loop, as vLLM (inline) (default: {d['pull_setup']})",
     )
-    add("--threads-per-instance", type=int, help=f"(default: {d['threads_per_instance']})")
+    add(
+        "--threads-per-instance", type=int,
+        help=f"torch threads of each instance (default: {d['threads_per_instance']})",
+    )  # fmt: skip
     add("--config", type=Path, metavar="TOML", help="cluster file; flags given here win over it")
     add("--log-dir", type=Path, help="one log file per process (default: a fresh temp dir)")
-    add("--startup-timeout-s", type=float, help=f"(default: {d['startup_timeout_s']:g})")
+    add(
+        "--startup-timeout-s", type=float,
+        help=f"seconds to wait for every process to be ready (default: {d['startup_timeout_s']:g})",
+    )  # fmt: skip
     add("serve_args", nargs="*", metavar="-- SERVE_FLAG", help="flags for every `disagg serve`")
 
 

@@ -59,7 +59,13 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load from a Hugging Face model directory (tokenizer.json is required)."""
         path = Path(path)
-        backend = _Backend.from_file(str(path / "tokenizer.json"))
+        file = path / "tokenizer.json"
+        if not file.is_file():  # the tokenizers library's own error names no file
+            raise FileNotFoundError(
+                f"{file}: no such file; a model directory needs config.json, tokenizer.json "
+                "and its *.safetensors weights"
+            )
+        backend = _Backend.from_file(str(file))
         config = _read_json(path / "tokenizer_config.json")
         special = _special_tokens(config) or _special_tokens(
             _read_json(path / "special_tokens_map.json")

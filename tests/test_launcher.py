@@ -210,8 +210,8 @@ def test_child_failing_at_startup_exits_1(
     argv = ["up", "--model", str(broken), "--port", "0", "--log-dir", str(tmp_path / "logs")]
     assert cli.main([*argv, "--startup-timeout-s", str(STARTUP_TIMEOUT_S)]) == 1
     captured = capsys.readouterr()
-    assert re.search(r"both-0 \(pid \d+\) exited with code 1 during startup", captured.err)
-    assert "No such file or directory" in captured.err  # the child's own error, from its log
+    assert re.search(r"both-0 \(pid \d+\) exited with code 2 during startup", captured.err)
+    assert "tokenizer.json: no such file" in captured.err  # the child's own error, from its log
     pids = [int(p) for p in re.findall(r" pid (\d+) ", captured.out)]
     assert pids and not [pid for pid in pids if _is_running(pid)]
     assert "router" not in captured.out  # never started: the instances were not healthy

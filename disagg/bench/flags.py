@@ -16,8 +16,11 @@ __all__ = [
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["random", "text", "prefix"], default="random")
-    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument(
+        "--dataset", choices=["random", "text", "prefix"], default="random",
+        help="random token ids; text = English prose; prefix = shared prefixes + random suffixes",
+    )  # fmt: skip
+    g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     g.add_argument(
         "--random-input-len",
         "--input-len",
@@ -26,7 +29,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Argumen
         default=128,
         help="prompt tokens (prefix dataset: tokens after the shared prefix)",
     )
-    g.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=32)
+    g.add_argument(
+        "--random-output-len", "--output-len", dest="output_len", type=int, default=32,
+        help="output tokens per request (generation ignores EOS)",
+    )  # fmt: skip
     g.add_argument(
         "--random-range-ratio",
         "--range-ratio",
@@ -42,7 +48,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Argumen
         default="100:1900",
         help="random token ids drawn from [LO, HI): keep clear of special tokens",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
     return g
 
 

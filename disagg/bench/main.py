@@ -172,7 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from disagg.bench import sweep  # imported here: sweep imports this module
 
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument(
+        "--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions"
+    )
     parser.add_argument("--model", default=None, help="model id; default: first of /v1/models")
     add_workload_arguments(parser).add_argument(
         "--tokenizer",
@@ -183,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("request and output")
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests")
     g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end outputs early")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     g.add_argument("--extra-body", default=None, help="JSON object merged into each request")
     g.add_argument("--percentiles", default="90,99", help="comma-separated, e.g. 90,99,99.9")
     g.add_argument(
@@ -195,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--result-file", default=None, help="write the full JSON result here")
     g.add_argument("--plot-dir", default=None, help="write latency_cdf.png here")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub = parser.add_subparsers(dest="bench_command", metavar="{sweep}")
     sweep.add_arguments(sub.add_parser("sweep", help="mode x rate x prompt-length sweep"))
 

@@ -153,7 +153,9 @@ def format_sweep_markdown(runs: list[dict[str, Any]]) -> str:
     """A markdown table of a sweep (one row per run), then the mean TTFT breakdowns if any."""
     cols = ["mode", "rate (req/s)", "input", "output", "done", "req/s", "out tok/s"]
     cols += ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "E2EL p50", "goodput"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    measured = "Simulated" if _tag(runs) else "Measured"
+    lines = [f"{measured}: {caption(runs).split('; bars')[0]}.", ""]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in runs:
         goodput = r.get("request_goodput")
         cells = [r["mode"], str(r["request_rate"]), str(r["input_len"]), str(r["output_len"])]
@@ -205,26 +207,67 @@ def _tag(runs: list[dict[str, Any]]) -> str:
     return ", SIMULATED" if all(r.get("simulated") for r in runs) else ""
 
 
+def _per_request_ms(run: dict[str, Any], key: str) -> list[float]:
+    """Each request's TTFT or TPOT (ms) from a result's per-request lists (empty if absent)."""
+    ttfts = run.get("ttfts") or []
+    if key == "median_ttft_ms":
+        return [t * 1e3 for t in ttfts if t and t > 0]
+    triples = zip(ttfts, run.get("e2els") or [], run.get("output_lens") or [], strict=False)
+    return [(e - t) / (n - 1) * 1e3 for t, e, n in triples if t and t > 0 and n and n > 1]
+
+
+def _quartiles(values: list[float], median: float) -> tuple[float, float]:
+    """(median - p25, p75 - median): error bar lengths; zero without per-request values."""
+    if len(values) < 2:
+        return 0.0, 0.0
+    ordered = sorted(values)
+    p25, p75 = (ordered[round(q * (len(ordered) - 1))] for q in (0.25, 0.75))
+    return max(0.0, median - p25), max(0.0, p75 - median)
+
+
+def caption(runs: list[dict[str, Any]]) -> str:
+    """What every figure must say: model, requests per point, output length, what each mode is."""
+    first = runs[0]
+    model = Path(str(first.get("model_id") or "?")).name
+    counts = sorted({int(r.get("num_prompts") or 0) for r in runs})
+    text = f"model {model}; {'/'.join(map(str, counts))} requests per point; "
+    text += f"{first.get('random_output_len', '?')} output tokens; "
+    text += "bars: per-request interquartile range"
+    sim = first.get("sim")
+    if isinstance(sim, dict):
+        text += f"; {sim.get('hardware')} x tp {sim.get('tp')}"
+    return text
+
+
 def _plot_vs_rate(plt: Any, runs: list[dict[str, Any]], input_len: int, path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for ax, (key, name) in zip(
         axes, [("median_ttft_ms", "median TTFT"), ("median_tpot_ms", "median TPOT")], strict=True
     ):
         for mode in dict.fromkeys(r["mode"] for r in runs):
-            points = sorted(
-                (_rate(r), r[key])
-                for r in runs
-                if r["mode"] == mode and r["input_len"] == input_len
+            chosen = sorted(
+                (r for r in runs if r["mode"] == mode and r["input_len"] == input_len),
+                key=_rate,
             )
-            points = [(x, y) for x, y in points if math.isfinite(x)]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=mode)
+            chosen = [r for r in chosen if math.isfinite(_rate(r))]
+            if chosen:
+                spread = [_quartiles(_per_request_ms(r, key), r[key]) for r in chosen]
+                ax.errorbar(
+                    [_rate(r) for r in chosen],
+                    [r[key] for r in chosen],
+                    yerr=list(zip(*spread, strict=True)),
+                    marker="o",
+                    capsize=3,
+                    label=mode,
+                )
         ax.set_title(f"{name} vs request rate (input {input_len} tokens){_tag(runs)}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)  # from zero: a small difference must not look like a large one
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
+    fig.text(0.01, 0.01, caption(runs), fontsize=8, alpha=0.8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -264,7 +307,8 @@ def _plot_breakdown(plt: Any, runs: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title(f"mean TTFT breakdown at {rate:g} req/s, input {input_len} tokens{_tag(runs)}")
     ax.set_ylabel("ms")
     ax.legend()
-    fig.tight_layout()
+    fig.text(0.01, 0.01, caption(runs).split("; bars")[0], fontsize=8, alpha=0.8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

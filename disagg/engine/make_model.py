@@ -286,7 +286,7 @@ def _tokenizer_config(max_length: int) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--arch", choices=sorted(_ARCH_CLASSES), default="qwen3")
+    add("--arch", choices=sorted(_ARCH_CLASSES), default="qwen3", help="model family")
     add("--layers", type=int, default=2, help="decoder layers")
     add("--hidden", type=int, default=64, help="hidden size")
     add("--heads", type=int, default=4, help="query heads")
@@ -295,10 +295,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--intermediate", type=int, default=128, help="MLP inner size")
     add("--vocab", type=int, default=2048, help="vocabulary size (tokenizer trained to match)")
     add("--max-pos", type=int, default=8192, help="max_position_embeddings")
-    add("--rope-theta", type=float, default=1e6)
-    add("--seed", type=int, default=0)
+    add("--rope-theta", type=float, default=1e6, help="RoPE base")
+    add("--seed", type=int, default=0, help="seeds the random weights")
     add("--tie", action="store_true", help="tie lm_head to the embedding")
-    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights")
     add("--out", required=True, help="output directory")
 
 

@@ -26,7 +26,7 @@ from disagg.config import EngineConfig
 from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
-from disagg.kv.transport import TransportError, make_transport
+from disagg.kv.transport import TransportError, make_transport, resolve_kind
 
 __all__ = [
     "ConnectorBase",
@@ -115,8 +115,13 @@ class ConnectorBase(KVConnectorWorker):
         self.identity = KVIdentity(kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}", kv.host)
         self._wake = wake or (lambda: None)
         self.secret = kv.cluster_token  # signs the side channel; authenticates tcp peers
+        self.transport_kind = resolve_kind(kv.transport)  # "auto" becomes what this host has
         self.transport = make_transport(
-            kv.transport, self.engine_id, host=kv.host, device=config.device, secret=self.secret
+            self.transport_kind,
+            self.engine_id,
+            host=kv.host,
+            device=config.device,
+            secret=self.secret,
         )
         self.transport.register(runner.kv_base_addr, runner.num_blocks, runner.block_nbytes)
         self.block_nbytes = runner.block_nbytes
@@ -128,6 +133,7 @@ class ConnectorBase(KVConnectorWorker):
             block_nbytes=runner.block_nbytes,
             layout=KV_LAYOUT,
             connector=self.mode,
+            transport=self.transport_kind,
         )
         self._lock = threading.Lock()
         self._report = KVConnectorOutput()  # filled by any thread, swapped out by the loop
@@ -165,7 +171,7 @@ class ConnectorBase(KVConnectorWorker):
             "engine_id": self.engine_id,
             "role": self.role,
             "connector": self.mode,
-            "transport": self.kv_config.transport,
+            "transport": self.transport_kind,
             "kv_host": self.host,
             "kv_port": self.port,
             "block_size": self.block_size,

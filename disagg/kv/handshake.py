@@ -26,6 +26,7 @@ class Compat:
     block_nbytes: int
     layout: str
     connector: str  # pull | push: both sides must run the same protocol
+    transport: str  # nixl | tcp | local, resolved ("auto" may pick nixl here and tcp there)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

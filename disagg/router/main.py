@@ -45,14 +45,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="decode instance base URL(s); in aggregated mode they serve whole requests",
     )
-    parser.add_argument("--mode", choices=get_args(RouterMode), default=defaults["mode"])
-    parser.add_argument("--policy", choices=get_args(PolicyName), default=defaults["policy"])
-    parser.add_argument("--host", default=defaults["host"])
+    parser.add_argument(
+        "--mode",
+        choices=get_args(RouterMode),
+        default=defaults["mode"],
+        help="pull / push: prefill on --prefill, decode on --decode; aggregated: whole "
+        "requests on --decode",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=get_args(PolicyName),
+        default=defaults["policy"],
+        help="how an instance is chosen for each request",
+    )
+    parser.add_argument("--host", default=defaults["host"], help="address to listen on")
     parser.add_argument("--port", type=int, default=defaults["port"], help="0 = any free port")
     parser.add_argument(
-        "--load-poll-interval-s", type=float, default=defaults["load_poll_interval_s"]
+        "--load-poll-interval-s",
+        type=float,
+        default=defaults["load_poll_interval_s"],
+        help="seconds between polls of each instance's health and load",
     )
-    parser.add_argument("--request-timeout-s", type=float, default=defaults["request_timeout_s"])
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=defaults["request_timeout_s"],
+        help="a request not finished by then is aborted (HTTP 504)",
+    )  # fmt: skip
     parser.add_argument(
         "--api-key",
         default="",
@@ -73,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=defaults["max_request_bytes"],
         help="larger request bodies get HTTP 413",
     )  # fmt: skip
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"], help="log verbosity"
+    )
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:

@@ -27,42 +27,64 @@ from disagg.config import (
 
 __all__ = ["add_arguments", "build_configs", "run"]
 
-# (config class, field, flag). The flag's type, default and choices come from the field.
-_FLAGS: tuple[tuple[type, str, str], ...] = (
-    (EngineConfig, "model", "--model"),
-    (EngineConfig, "served_model_name", "--served-model-name"),
-    (ServerConfig, "host", "--host"),
-    (ServerConfig, "port", "--port"),
-    (ServerConfig, "api_key", "--api-key"),
-    (ServerConfig, "max_request_bytes", "--max-request-bytes"),
-    (EngineConfig, "device", "--device"),
-    (EngineConfig, "dtype", "--dtype"),
-    (EngineConfig, "seed", "--seed"),
-    (EngineConfig, "num_threads", "--num-threads"),
-    (CacheConfig, "block_size", "--block-size"),
-    (CacheConfig, "num_blocks", "--num-blocks"),
-    (SchedulerConfig, "max_num_seqs", "--max-num-seqs"),
-    (SchedulerConfig, "max_num_batched_tokens", "--max-num-batched-tokens"),
-    (SchedulerConfig, "max_model_len", "--max-model-len"),
-    (SchedulerConfig, "enable_prefix_caching", "--no-prefix-caching"),
-    (KVTransferConfig, "role", "--role"),
-    (KVTransferConfig, "connector", "--kv-connector"),
-    (KVTransferConfig, "transport", "--kv-transport"),
-    (KVTransferConfig, "host", "--kv-host"),
-    (KVTransferConfig, "fault", "--kv-fault"),
-    (KVTransferConfig, "engine_id", "--engine-id"),
-    (KVTransferConfig, "lease_s", "--lease-s"),
-    (KVTransferConfig, "reservation_timeout_s", "--reservation-timeout-s"),
-    (KVTransferConfig, "transfer_timeout_s", "--transfer-timeout-s"),
-    (KVTransferConfig, "failure_policy", "--failure-policy"),
-    (KVTransferConfig, "pull_setup", "--pull-setup"),
-    (KVTransferConfig, "cluster_token", "--cluster-token"),
-)
+# (config class, field, flag, help). The flag's type, default and choices come from the field.
+_FLAGS: tuple[tuple[type, str, str, str], ...] = (
+    (EngineConfig, "model", "--model", "model directory (config.json, tokenizer.json, "
+     "*.safetensors) or a known name such as smollm2-135m"),
+    (EngineConfig, "served_model_name", "--served-model-name",
+     "the name clients use in 'model' (default: the model's directory name)"),
+    (ServerConfig, "host", "--host", "address to listen on"),
+    (ServerConfig, "port", "--port", "port to listen on (0 = any free port)"),
+    (ServerConfig, "api_key", "--api-key",
+     "clients must send 'Authorization: Bearer KEY' (default: open)"),
+    (ServerConfig, "max_request_bytes", "--max-request-bytes",
+     "larger request bodies get HTTP 413"),
+    (EngineConfig, "device", "--device", "where the model runs: cpu, cuda or cuda:N"),
+    (EngineConfig, "dtype", "--dtype",
+     "weights and KV dtype; auto = bfloat16 on CUDA or on CPUs with AVX512-BF16/AMX, "
+     "else float32"),
+    (EngineConfig, "seed", "--seed", "sampling seed"),
+    (EngineConfig, "num_threads", "--num-threads", "torch CPU threads (0 = torch's default)"),
+    (CacheConfig, "block_size", "--block-size", "tokens per KV block (a power of two)"),
+    (CacheConfig, "num_blocks", "--num-blocks", "KV blocks in the pool: its size caps the "
+     "tokens held at once (num_blocks x block_size)"),
+    (SchedulerConfig, "max_num_seqs", "--max-num-seqs", "most requests running at once"),
+    (SchedulerConfig, "max_num_batched_tokens", "--max-num-batched-tokens",
+     "tokens per engine step (prefill chunks + decodes); longer prompts are chunked"),
+    (SchedulerConfig, "max_model_len", "--max-model-len",
+     "longest prompt + output per request; longer requests get HTTP 400"),
+    (SchedulerConfig, "enable_prefix_caching", "--no-prefix-caching",
+     "do not reuse the KV of a prompt prefix seen before"),
+    (KVTransferConfig, "role", "--role",
+     "both = serve whole requests; prefill / decode = one side of a disaggregated pair"),
+    (KVTransferConfig, "connector", "--kv-connector",
+     "how KV moves from prefill to decode: pull (decode reads) or push (prefill writes)"),
+    (KVTransferConfig, "transport", "--kv-transport",
+     "KV transfer library: auto = nixl when installed (pip install 'disagg[nixl]'), else tcp"),
+    (KVTransferConfig, "host", "--kv-host", "address peers reach this instance's KV on"),
+    (KVTransferConfig, "fault", "--kv-fault",
+     "fault injection for drills: fail_transfer or delay_register:SECONDS"),
+    (KVTransferConfig, "engine_id", "--engine-id",
+     "this instance's name among its peers (default: derived at start)"),
+    (KVTransferConfig, "lease_s", "--lease-s",
+     "prefill side: seconds a finished prefill's KV waits for its pull before it is freed"),
+    (KVTransferConfig, "reservation_timeout_s", "--reservation-timeout-s",
+     "decode side (push): seconds reserved blocks wait for their KV before they are freed"),
+    (KVTransferConfig, "transfer_timeout_s", "--transfer-timeout-s",
+     "a posted KV transfer not done by then fails"),
+    (KVTransferConfig, "failure_policy", "--failure-policy",
+     "when a KV transfer fails: fail the request, or recompute the prefill on decode"),
+    (KVTransferConfig, "pull_setup", "--pull-setup",
+     "pull, decode side: build and post the READ on a background thread or inline on "
+     "the engine loop (as vLLM does)"),
+    (KVTransferConfig, "cluster_token", "--cluster-token",
+     "the cluster's shared secret (default: $DISAGG_CLUSTER_TOKEN); needed by prefill/decode"),
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for cls, name, flag in _FLAGS:
-        _add_flag(parser, cls, name, flag)
+    for cls, name, flag, help_text in _FLAGS:
+        _add_flag(parser, cls, name, flag, help_text)
 
 
 def _dest(cls: type, name: str) -> str:
@@ -70,7 +92,9 @@ def _dest(cls: type, name: str) -> str:
     return f"{cls.__name__}.{name}"
 
 
-def _add_flag(parser: argparse.ArgumentParser, cls: type, name: str, flag: str) -> None:
+def _add_flag(
+    parser: argparse.ArgumentParser, cls: type, name: str, flag: str, help_text: str
+) -> None:
     kind = typing.get_type_hints(cls)[name]
     default = next(f.default for f in fields(cls) if f.name == name)
     assert default is not MISSING, f"{cls.__name__}.{name} needs a default to become a flag"
@@ -78,20 +102,19 @@ def _add_flag(parser: argparse.ArgumentParser, cls: type, name: str, flag: str) 
     if kind is bool:
         # The flag names the non-default behaviour (--no-prefix-caching sets the field False).
         action = "store_false" if default else "store_true"
-        parser.add_argument(flag, dest=dest, action=action, help=f"sets {name}={not default}")
+        parser.add_argument(flag, dest=dest, action=action, help=help_text)
         return
     extra: dict[str, Any] = {"metavar": flag.removeprefix("--").replace("-", "_").upper()}
     if typing.get_origin(kind) is Literal:
         extra = {"choices": list(typing.get_args(kind))}  # argparse shows them as the metavar
         kind = type(extra["choices"][0])
-    help_text = f"{cls.__name__}.{name} (default: {default!r})"
     parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text, **extra)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Parsed flags -> validated configs. ValueError names the bad field and value."""
     values: dict[type, dict[str, Any]] = {}
-    for cls, name, _ in _FLAGS:
+    for cls, name, _, _ in _FLAGS:
         values.setdefault(cls, {})[name] = getattr(args, _dest(cls, name))
     kv_values = values[KVTransferConfig]
     kv_values["cluster_token"] = kv_values["cluster_token"] or env_cluster_token()
@@ -110,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"disagg serve: {exc}", file=sys.stderr)
         return 2
+    if config.kv_transfer.role != "both":
+        from disagg.kv.transport import resolve_kind
+
+        resolve_kind(config.kv_transfer.transport)  # a missing library fails before the model loads
     from disagg.engine.checkpoint import resolve_model  # lazy: pulls in torch
 
     try:

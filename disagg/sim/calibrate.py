@@ -2,8 +2,8 @@
 
 Micro-measurements only (never an end-to-end run): the engine's `ModelRunner.execute` over a
 grid of batch shapes, the scheduler's schedule+update, one thread's memory bandwidth, the KV
-transport's per-transfer, per-descriptor and per-byte cost, and the router + instance HTTP path
-around an engine that answers at once. The step times are
+transport's per-transfer, per-descriptor and per-byte cost, and the serving path around the
+engine (`measure_serving.py`: router and instance as processes, a 1-layer model). The step times are
 fitted to the sum form of `fitted_step.py`; every figure in the TOML says when and what was
 timed. torch and aiohttp are imported here, lazily, never by the simulator itself.
 """
@@ -41,7 +41,7 @@ class Calibration:
     mixed_errors: list[float]  # relative error on held-out prefill+decode steps
     num_steps: int
     transport: Any  # measure_transport.TransportFit
-    http_hop_s: float
+    serving: Any  # measure_serving.ServingFit: the HTTP hop and per-token serving work
     scheduler_s: tuple[float, float] = (0.0, 0.0)  # Scheduler.schedule+update: fixed, per request
     steps: tuple[tuple[str, float, float], ...] = ()  # (shape, measured s, fitted s), for the log
 
@@ -66,10 +66,10 @@ def _errors(
 
 
 def calibrate(
-    model_dir: str, dtype: str, name: str, transport: str, grid: Any, http_repeats: int = 50
+    model_dir: str, dtype: str, name: str, transport: str, grid: Any, serving_requests: int = 30
 ) -> Calibration:
-    from disagg.sim.measure_http import measure_http_hop_s
     from disagg.sim.measure_scheduler import measure_scheduler
+    from disagg.sim.measure_serving import measure_serving
     from disagg.sim.measure_step import measure_memory_bandwidth, measure_steps
     from disagg.sim.measure_transport import measure_transport
 
@@ -95,7 +95,7 @@ def calibrate(
         mixed_errors=_errors(mixed, fitted, overhead_s, bandwidth),
         num_steps=len(samples),
         transport=measure_transport(transport, block_nbytes),
-        http_hop_s=measure_http_hop_s(model_dir, repeats=http_repeats),
+        serving=measure_serving(serving_requests),
         scheduler_s=measure_scheduler(),
         steps=steps,
     )
@@ -120,6 +120,7 @@ def format_profile(c: Calibration) -> str:
     xfer = f"{on}, {t.num_transfers} {t.kind} READs of {t.block_nbytes}-byte blocks in one process (least squares)"  # noqa: E501
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     sched_fixed, sched_req = c.scheduler_s
+    v = c.serving
     lines = [
         "# A measured CPU profile: one engine process, one torch thread. Steps use the fitted",
         "# sum form (disagg/sim/fitted_step.py), not the GPU roofline. Regenerate with",
@@ -138,6 +139,11 @@ def format_profile(c: Calibration) -> str:
         f"# {step}: the fit's intercept, plus Scheduler.schedule+update's fixed",
         f"# {sched_fixed * 1e6:.1f} us per step ({on}, decode steps of 1-128 requests)",
         f"step_overhead_s = {c.step_overhead_s + sched_fixed:.6g}",
+        f"# {on}: {v.num_requests} streamed requests, one at a time, through `disagg up`",
+        "# (router + 1 instance, separate processes) on a 1-layer checkpoint: median ITL",
+        f"# {v.itl_s * 1e3:.3f} ms minus that checkpoint's decode Engine.step in-process",
+        f"# {v.step_s * 1e3:.3f} ms; the sim adds it to a step per sampled token",
+        f"output_token_s = {v.output_token_s:.6g}",
         "",
         "[compute]",
         "# The roofline's fields, for tools that read them: the fitted matmul rate at 100%.",
@@ -167,9 +173,9 @@ def format_profile(c: Calibration) -> str:
         "latency_s = 0.0",
         f"# {on}: median share of a READ's time spent inside post() = {t.post_share:.2f}",
         f"copy_in_post = {'true' if t.is_copy_in_post else 'false'}",
-        f"# {on}, half the time to first token of a 1024-id prompt through the router and",
-        "# an instance app whose engine answers at once (both the project's own aiohttp apps)",
-        f"http_hop_s = {c.http_hop_s:.6g}",
+        f"# {on}, the same requests: half of (TTFT - the instance's queue + prefill",
+        f"# stages), median {v.ttft_outside_stages_s * 1e3:.3f} ms",
+        f"http_hop_s = {v.hop_s:.6g}",
         "",
         "[kv_setup]",
         f"# {xfer}",
@@ -189,8 +195,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-contexts", default="1024")
     parser.add_argument("--decode-batches", default="1,4,16,32")
     parser.add_argument("--decode-contexts", default="128,1024,4095")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per step shape")
-    parser.add_argument("--http-repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per step shape")
+    parser.add_argument(
+        "--serving-requests", type=int, default=30,
+        help="streamed requests through a local router + instance to time the serving path",
+    )  # fmt: skip
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -208,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     started = time.perf_counter()
-    result = calibrate(args.model, args.dtype, args.name, args.transport, grid, args.http_repeats)
+    result = calibrate(
+        args.model, args.dtype, args.name, args.transport, grid, args.serving_requests
+    )
     path = Path(args.out) if args.out else _PROFILE_DIR / f"{args.name}.toml"
     path.write_text(format_profile(result))
     load_profile(str(path))  # what was written must load

@@ -42,6 +42,9 @@ class HardwareProfile:
     # True where the transport copies inside post() (NIXL over cross-memory attach on one
     # host): a pull's READ then runs on the decode engine loop, not beside it.
     copy_in_post: bool = False
+    # Per output token, serving work that shares the engine loop's interpreter (our instance
+    # detokenizes and writes SSE in the engine's process); 0 where that runs elsewhere.
+    output_token_s: float = 0.0
     fitted_step: FittedStep | None = None  # measured CPU step form; None = the roofline
 
     def __post_init__(self) -> None:
@@ -83,7 +86,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     flat = _flatten(tomllib.loads(path.read_text()))
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(flat) - known)
-    missing = sorted(known - set(flat) - {"copy_in_post", "fitted_step"})
+    missing = sorted(known - set(flat) - {"copy_in_post", "output_token_s", "fitted_step"})
     if unknown or missing:
         raise ValueError(f"hardware {path.name}: unknown keys {unknown}, missing keys {missing}")
     return HardwareProfile(**flat)

@@ -27,8 +27,11 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload and load flags of `disagg bench` (shared definitions), and its outputs."""
     add_workload_arguments(parser)
     g = add_arrival_arguments(parser)
-    g.add_argument("--percentiles", default="90,99")
-    g.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
+    g.add_argument("--percentiles", default="90,99", help="latency percentiles to report")
+    g.add_argument(
+        "--goodput", nargs="+", default=[], metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:1000 tpot:20",
+    )  # fmt: skip
     g.add_argument("--result-file", default=None, help="write the full JSON result here")
 
 
@@ -40,8 +43,8 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         default="pull",
         help="pull: READ set up off D's loop (ours); pull-inline: on it (vLLM's pull)",
     )
-    g.add_argument("--num-prefill", type=int, default=1)
-    g.add_argument("--num-decode", type=int, default=1)
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill instances")
+    g.add_argument("--num-decode", type=int, default=1, help="decode instances")
     g.add_argument(
         "--model", default="Qwen3-32B", help=f"{', '.join(BUILTIN_SHAPES)} or a config.json"
     )
@@ -53,13 +56,25 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         default="vllm",
         help="transfer descriptors: vllm (layer x K/V x block) or ours (per block, merged)",
     )
-    g.add_argument("--policy", choices=["least_loaded", "round_robin"], default="least_loaded")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--policy", choices=["least_loaded", "round_robin"], default="least_loaded",
+        help="the router's choice of instance",
+    )  # fmt: skip
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None, help="default: what memory holds")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per engine step"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests running per instance"
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest request (default: the workload's longest)",
+    )  # fmt: skip
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,8 +16,10 @@ class SimRunner:
         self.cost = cost
 
     def duration_s(self, sched: SchedulerOutput) -> float:
+        """The model step, plus serving each sampled token where that holds up the loop."""
         batch = [StepShape(len(s.token_ids), s.start_pos, s.do_sample) for s in sched.requests]
-        return self.cost.step_s(batch)
+        num_sampled = sum(1 for s in sched.requests if s.do_sample)
+        return self.cost.step_s(batch) + num_sampled * self.cost.hardware.output_token_s
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return RunnerOutput(

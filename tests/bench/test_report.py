@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg.bench import report
 from disagg.bench.report import (
     breakdown_at_highest_load,
     format_sweep_markdown,
@@ -125,3 +126,27 @@ def test_failure_summary_names_each_distinct_error_with_its_count() -> None:
         "  1 x Timeout: 600 s",
     ]
     assert failure_summary({"errors": ["", ""]}) == ""
+
+
+def test_plots_start_at_zero_and_bar_the_per_request_spread(tmp_path: Path, monkeypatch) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    runs = _runs()
+    for run in runs:  # three requests per point: TTFTs around the median, TPOTs from E2ELs
+        t = run["median_ttft_ms"] / 1e3
+        run |= {"ttfts": [0.5 * t, t, 2 * t], "e2els": [t + 0.15] * 3, "output_lens": [16] * 3}
+        run |= {"model_id": "/tmp/x/sweep-qwen3", "num_prompts": 3, "random_output_len": 16}
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to inspect it
+    report._plot_vs_rate(plt, runs, 128, tmp_path / "p.png")
+    (figure,) = figures
+    for ax in figure.axes:
+        assert ax.get_ylim()[0] == 0
+    ttft_bars = figure.axes[0].containers[0]  # aggregated: errorbar (line, caps, bars)
+    segments = ttft_bars.lines[2][0].get_segments()
+    assert len(segments) == 2 and all(seg[1][1] > seg[0][1] for seg in segments)
+    assert "sweep-qwen3; 3 requests per point" in report.caption(runs)
+
+
+def test_quartiles_of_a_point_without_per_request_values_are_zero() -> None:
+    assert report._quartiles([], 5.0) == (0.0, 0.0)
+    assert report._quartiles([1.0, 2.0, 3.0, 4.0, 5.0], 3.0) == (1.0, 1.0)

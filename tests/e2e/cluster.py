@@ -208,6 +208,7 @@ class Cluster:
         model_dir: Path | None = None,
         dtype: str = "float32",
         args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
     ) -> Proc:
         """Start `disagg serve` (one torch thread, a free port); does not wait for it.
 
@@ -218,7 +219,7 @@ class Cluster:
         argv += ["--port", "0", "--num-threads", "1", "--role", role, "--dtype", dtype]
         if role != "both":
             argv += ["--kv-connector", connector, "--kv-transport", transport, "--kv-host", HOST]
-        return self._spawn(name, [*argv, *args])
+        return self._spawn(name, [*argv, *args], env)
 
     def route(
         self,
@@ -238,11 +239,12 @@ class Cluster:
         self.wait_ready(router)
         return router
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Proc:
         log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         argv = [sys.executable, "-m", "disagg.cli", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["DISAGG_CLUSTER_TOKEN"] = CLUSTER_TOKEN
+        env.update(extra_env or {})
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 argv,

@@ -23,7 +23,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tiny_calibration_writes_a_loadable_profile(checkpoint: Path, tmp_path: Path) -> None:
     path = tmp_path / "cpu-tiny.toml"
     argv = ["sim", "--model", str(checkpoint), "calibrate", "--name", "cpu-tiny"]
-    argv += ["--out", str(path), "--transport", "local", "--repeats", "1", "--http-repeats", "3"]
+    argv += ["--out", str(path), "--transport", "local", "--repeats", "1"]
+    argv += ["--serving-requests", "4"]
     argv += ["--prefill-lens", "16,64,128", "--prefill-contexts", "64"]
     argv += ["--decode-batches", "1,2,4", "--decode-contexts", "16,64"]
     assert main(argv) == 0
@@ -31,6 +32,7 @@ def test_tiny_calibration_writes_a_loadable_profile(checkpoint: Path, tmp_path: 
     assert "measured by disagg sim calibrate on" in text
     profile = load_profile(str(path))
     assert profile.fitted_step is not None and profile.http_hop_s > 0
+    assert profile.output_token_s > 0
     assert profile.bandwidth_per_gpu > 0
     config = make_config("push", num_prompts=3, input_len=64, output_len=4, layout="ours")
     result, _ = simulate(replace(config, hardware=str(path), model=str(checkpoint)))

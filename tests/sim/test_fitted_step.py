@@ -7,12 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from disagg.engine.outputs import ScheduledRequest, SchedulerOutput
+from disagg.protocol import SamplingParams
 from disagg.sim.calibrate import Calibration, format_profile
 from disagg.sim.cost import CostModel, StepShape
 from disagg.sim.fitted_step import FittedStep, StepSample, fit_step, step_features
 from disagg.sim.hardware import load_profile
+from disagg.sim.measure_serving import ServingFit
 from disagg.sim.measure_transport import TransportFit
 from disagg.sim.model_shape import BUILTIN_SHAPES, load_shape
+from disagg.sim.runner import SimRunner
 from tests.sim.helpers import make_config, simulate
 
 _SHAPE = replace(BUILTIN_SHAPES["SmolLM2-135M"], dtype_bytes=4)
@@ -55,7 +59,7 @@ def _calibration(fitted: FittedStep = _TRUE) -> Calibration:
         mixed_errors=[0.02],
         num_steps=14,
         transport=transport,
-        http_hop_s=1e-3,
+        serving=ServingFit(1e-3, 2e-4, 10, 2e-3, 9e-4, 7e-4),
     )
 
 
@@ -81,6 +85,7 @@ def test_profile_round_trip_gives_the_same_step_times(tmp_path: Path) -> None:
     profile = load_profile(str(path))
     assert profile.fitted_step == _TRUE and profile.copy_in_post
     assert profile.setup_per_descriptor_s == pytest.approx(2e-6)
+    assert profile.output_token_s == pytest.approx(2e-4)
     cost = CostModel(_SHAPE, profile)
     batch = [StepShape(512, 0, True), StepShape(1, 300, True)]
     items = [(s.num_tokens, s.context_len, s.do_sample) for s in batch]
@@ -122,3 +127,16 @@ def test_checkpoint_dtype_sets_kv_and_weight_bytes(tmp_path: Path) -> None:
         ' "vocab_size": 4096, "dtype": "float32"}'
     )
     assert load_shape(str(tmp_path)).kv_bytes_per_token() == 4096  # 4 KiB, as the sweep's model
+
+
+def test_a_step_pays_serving_work_for_each_token_it_samples(tmp_path: Path) -> None:
+    path = tmp_path / "cpu-test.toml"
+    path.write_text(format_profile(_calibration()))
+    cost = CostModel(_SHAPE, load_profile(str(path)))
+    runner = SimRunner(cost)
+    sampling = SamplingParams(max_tokens=4)
+    chunk = ScheduledRequest("p", list(range(64)), 0, [0, 1, 2, 3], False, sampling, 0)
+    decodes = [ScheduledRequest(f"d{i}", [5], 300, [9], True, sampling, 1) for i in range(3)]
+    sched = SchedulerOutput(requests=[chunk, *decodes])
+    batch = [StepShape(64, 0, False)] + [StepShape(1, 300, True)] * 3
+    assert runner.duration_s(sched) == pytest.approx(cost.step_s(batch) + 3 * 2e-4)

@@ -1,9 +1,13 @@
 """KV transports behind one contract (base.Transport): nixl, tcp, and the in-process local one.
 
-Owns the factory only. NIXL is imported lazily, so hosts without it can still use tcp and local.
+Owns the factory and the choice `auto` (NIXL when installed, else TCP). NIXL is imported
+lazily, so hosts without it can still use tcp and local.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 
@@ -14,7 +18,43 @@ __all__ = [
     "Transport",
     "TransportError",
     "make_transport",
+    "resolve_kind",
 ]
+
+logger = logging.getLogger(__name__)
+
+NIXL_MISSING = (
+    "the nixl KV transport needs NIXL, which is not installed: "
+    "pip install 'disagg[nixl]', or use --kv-transport tcp"
+)
+
+
+@functools.cache
+def _has_nixl() -> bool:
+    from disagg.kv.transport.nixl import nixl_api
+
+    try:
+        nixl_api()
+    except TransportError:
+        return False
+    return True
+
+
+def resolve_kind(kind: str) -> str:
+    """The transport `kind` names: `auto` becomes nixl or tcp (logged). Raises TransportError
+    with the fix when nixl is asked for and not installed."""
+    if kind == "auto":
+        kind = "nixl" if _has_nixl() else "tcp"
+        _log_choice(kind)
+    elif kind == "nixl" and not _has_nixl():
+        raise TransportError(NIXL_MISSING)
+    return kind
+
+
+@functools.cache
+def _log_choice(kind: str) -> None:
+    why = "NIXL is installed" if kind == "nixl" else "no NIXL here: pip install 'disagg[nixl]'"
+    logger.info("KV transport: %s (auto; %s)", kind, why)
 
 
 def make_transport(
@@ -27,12 +67,14 @@ def make_transport(
 ) -> Transport:
     """A fresh, unregistered transport named `name` (unique per process, e.g. the engine id).
 
-    kind: "nixl" | "tcp" | "local". `host` is the address peers reach us on (tcp listener;
-    for nixl a loopback host keeps UCX on loopback); local ignores it. `device` is where the
-    registered KV buffer lives ("cpu" | "cuda[:N]"); only nixl moves device memory.
+    kind: "auto" | "nixl" | "tcp" | "local" (see resolve_kind). `host` is the address peers
+    reach us on (tcp listener; for nixl a loopback host keeps UCX on loopback); local ignores
+    it. `device` is where the registered KV buffer lives ("cpu" | "cuda[:N]"); only nixl
+    moves device memory.
     `secret` is the cluster's shared secret: tcp serves and sends only to peers proving the
     same one (None: no proof, and peers must have none either); nixl and local ignore it.
     """
+    kind = resolve_kind(kind)
     if kind == "nixl":
         from disagg.kv.transport.nixl import NixlTransport
 
@@ -47,4 +89,4 @@ def make_transport(
         from disagg.kv.transport.local import LocalTransport
 
         return LocalTransport(name)
-    raise ValueError(f"transport kind must be nixl, tcp or local, got {kind!r}")
+    raise ValueError(f"transport kind must be auto, nixl, tcp or local, got {kind!r}")
