@@ -172,11 +172,15 @@ class ServerConfig:
     port: int = 8000
     api_key: str = field(default="", repr=False)  # "" = the OpenAI API is open, as vLLM's
     max_request_bytes: int = 16 * 1024 * 1024  # a 128k-token prompt as ids is ~1 MB
+    router_url: str = ""  # register with this router and heartbeat; "" = be listed statically
+    advertise_url: str = ""  # the URL the router reaches us at; "" = http://host:port
+    heartbeat_s: float = 1.0  # between registrations; the router drops us after its timeout
+    drain_timeout_s: float = 60.0  # on SIGTERM with a router: wait this long for work to end
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        _check_positive(self, "max_request_bytes")
+        _check_positive(self, "max_request_bytes", "heartbeat_s", "drain_timeout_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,16 +199,26 @@ class RouterConfig:
     # When a prefill instance fails before anything was streamed: "fail" answers the error,
     # "recompute" sends the request whole to a decode instance (it prefills itself).
     failure_policy: FailurePolicy = "fail"
+    # A registered instance (`disagg serve --router`) is dropped after this long without a
+    # heartbeat; instances named in prefill_urls / decode_urls never are.
+    heartbeat_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         _check_choice("failure_policy", self.failure_policy, FailurePolicy)
         _check_choice("mode", self.mode, RouterMode)
         _check_choice("policy", self.policy, PolicyName)
-        if not self.decode_urls:
-            raise ValueError("decode_urls must name at least one instance")
-        if self.mode != "aggregated" and not self.prefill_urls:
+        # Without a cluster token no instance can register, so the lists must name them.
+        if not self.cluster_token and not self.decode_urls:
+            raise ValueError(
+                "decode_urls must name at least one instance (or set a cluster token and let "
+                "instances register with `disagg serve --router URL`)"
+            )
+        if not self.cluster_token and self.mode != "aggregated" and not self.prefill_urls:
             raise ValueError(f"mode {self.mode} needs at least one prefill url")
-        _check_positive(self, "load_poll_interval_s", "request_timeout_s", "max_request_bytes")
+        _check_positive(
+            self, "load_poll_interval_s", "request_timeout_s", "max_request_bytes",
+            "heartbeat_timeout_s",
+        )  # fmt: skip
         _check_token("a pull or push router", self.cluster_token,
                      is_required=self.mode != "aggregated")  # fmt: skip
 

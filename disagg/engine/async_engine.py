@@ -126,6 +126,13 @@ class AsyncEngine:
     def load(self) -> dict[str, int]:
         return dict(self._load)
 
+    def is_idle(self) -> bool:
+        """No client stream open and nothing left in the engine (no request, no KV held for a
+        peer): a draining instance may exit. Read from the event loop while the engine thread
+        runs; a stale answer only delays the next check."""
+        engine = self.engine
+        return not self._queues and (engine is None or not engine.has_work)
+
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 

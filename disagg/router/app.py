@@ -26,6 +26,7 @@ from disagg import auth
 from disagg.config import RouterConfig
 from disagg.router.call import Call, kv_params, parse_call, prefill_body, push_params
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
+from disagg.router.membership import add_membership_routes
 from disagg.router.metrics import RouterMetrics
 from disagg.router.middleware import api_key_middleware, error_middleware
 from disagg.router.policy import NoHealthyInstanceError
@@ -160,11 +161,8 @@ class Router:
         return web.json_response({"status": "unavailable"}, status=503)
 
     async def list_instances(self, _request: web.Request) -> web.Response:
-        rows = [
-            {"url": inst.url, "role": inst.role, "healthy": inst.is_healthy}
-            for inst in self.pool.instances
-        ]
-        return web.json_response(rows)
+        now_s = time.monotonic()
+        return web.json_response([inst.to_dict(now_s) for inst in self.pool.instances])
 
     async def metrics_text(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -433,6 +431,7 @@ def make_app(cfg: RouterConfig, *, client_max_size: int | None = None) -> web.Ap
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_text)
     app.router.add_get("/instances", router.list_instances)
+    add_membership_routes(app, router.pool, cfg.cluster_token)
     return app
 
 

@@ -1,13 +1,16 @@
 """Typed records of the instances behind the router, and the background task that keeps them fresh.
 
-Owns each instance's health (`/health`), load (`/load`) and KV identity (`/kv_info`), and turns a
-policy's choice into an `Instance`. Must not proxy requests (app.py) nor rank instances (policy.py).
+Owns each instance's health (`/health`), load (`/load`) and KV identity (`/kv_info`), the live
+membership (instances named on the command line, plus those that register themselves and keep
+heartbeating), and turns a policy's choice into an `Instance`. Must not proxy requests (app.py)
+nor rank instances (policy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,7 +21,14 @@ import yarl
 from disagg.config import RouterConfig
 from disagg.router.policy import InstanceRole, InstanceView, Load, Policy, make_policy
 
-__all__ = ["HEALTH_POLL_INTERVAL_S", "Instance", "InstancePool", "KVInfo", "normalize_url"]
+__all__ = [
+    "HEALTH_POLL_INTERVAL_S",
+    "Instance",
+    "InstancePool",
+    "KVInfo",
+    "MembershipError",
+    "normalize_url",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +37,11 @@ PROBE_TIMEOUT_S = 2.0  # one /health, /load or /kv_info probe
 LATE_BINDING_TIMEOUT_S = 0.5  # /load refresh on a request's path: stale beats a slow TTFT
 
 PoolName = Literal["prefill", "decode"]
+Source = Literal["static", "registered"]  # named on the command line, or registered itself
+
+
+class MembershipError(ValueError):
+    """A registration the router refuses (a role this mode does not use)."""
 
 
 def normalize_url(url: str) -> str:
@@ -36,6 +51,7 @@ def normalize_url(url: str) -> str:
     try:
         parsed = yarl.URL(url)
         is_ok = parsed.scheme in ("http", "https") and bool(parsed.host)
+        is_ok = is_ok and not any(c.isspace() for c in url)
     except (ValueError, TypeError):
         is_ok = False
     if not is_ok:
@@ -81,15 +97,34 @@ class Instance:
     load: Load | None = None  # last /load answer; None until one arrives or after a failure
     num_pending: int = 0  # requests routed here since `load` was taken
     kv_info: KVInfo | None = None  # cached /kv_info; dropped when the instance goes unhealthy
+    source: Source = "static"
+    is_draining: bool = False  # finishing what it has; no new work goes to it
+    last_heartbeat_s: float | None = None  # monotonic; registered instances only
+
+    @property
+    def takes_work(self) -> bool:
+        return self.is_healthy and not self.is_draining
 
     def view(self) -> InstanceView:
         return InstanceView(
             url=self.url,
             role=self.role,
-            is_healthy=self.is_healthy,
+            is_healthy=self.takes_work,  # a policy never picks a draining instance
             load=self.load,
             num_pending=self.num_pending,
         )
+
+    def to_dict(self, now_s: float) -> dict[str, Any]:
+        age = None if self.last_heartbeat_s is None else round(now_s - self.last_heartbeat_s, 3)
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.is_healthy,
+            "draining": self.is_draining,
+            "source": self.source,
+            "heartbeat_age_s": age,
+            "engine_id": self.kv_info.engine_id if self.kv_info else None,
+        }
 
 
 class InstancePool:
@@ -97,13 +132,15 @@ class InstancePool:
 
     def __init__(self, cfg: RouterConfig, *, health_interval_s: float = HEALTH_POLL_INTERVAL_S):
         self.cfg = cfg
+        self.decode_role: InstanceRole = "both" if cfg.mode == "aggregated" else "decode"
         self.health_interval_s = health_interval_s
         is_aggregated = cfg.mode == "aggregated"
         # In aggregated mode prefill URLs are unused: decode instances serve whole requests.
         prefill_urls = () if is_aggregated else cfg.prefill_urls
         self.prefill = [Instance(url=normalize_url(u), role="prefill") for u in prefill_urls]
-        decode_role: InstanceRole = "both" if is_aggregated else "decode"
-        self.decode = [Instance(url=normalize_url(u), role=decode_role) for u in cfg.decode_urls]
+        self.decode = [
+            Instance(url=normalize_url(u), role=self.decode_role) for u in cfg.decode_urls
+        ]
         self._policies: dict[PoolName, Policy] = {
             "prefill": make_policy(cfg.policy),
             "decode": make_policy(cfg.policy),
@@ -120,12 +157,71 @@ class InstancePool:
         return self.cfg.policy == "least_loaded"
 
     def is_ready(self) -> bool:
-        """At least one healthy instance in every pool this mode needs."""
+        """At least one instance taking work in every pool this mode needs."""
         pools = [self.decode] if self.cfg.mode == "aggregated" else [self.prefill, self.decode]
-        return all(any(inst.is_healthy for inst in pool) for pool in pools)
+        return all(any(inst.takes_work for inst in pool) for pool in pools)
 
     def has_healthy(self, pool: PoolName) -> bool:
-        return any(inst.is_healthy for inst in (self.prefill if pool == "prefill" else self.decode))
+        return any(inst.takes_work for inst in (self.prefill if pool == "prefill" else self.decode))
+
+    # ------------------------------------------------------------------ membership
+
+    def register(self, url: str, role: str, *, is_draining: bool = False) -> Instance:
+        """A heartbeat from `url`: add it (probed before it takes work) or refresh it. A
+        static instance that registers keeps its place and never expires."""
+        url = normalize_url(url)
+        pool_name = self._pool_for(role)
+        inst = self.find(url)
+        if inst is not None and inst.role != role:
+            raise MembershipError(f"{url} is already a {inst.role} instance, not {role}")
+        if inst is None:
+            inst = Instance(url=url, role=role, source="registered")  # type: ignore[arg-type]
+            (self.prefill if pool_name == "prefill" else self.decode).append(inst)
+            logger.info("instance %s (%s) registered", url, role)
+            if self._session is not None:  # probed now, not at the next poll
+                asyncio.get_running_loop().create_task(self._probe_health(inst))
+        if inst.is_draining != is_draining:
+            logger.info("instance %s %s", url, "draining" if is_draining else "taking work again")
+        inst.is_draining = is_draining
+        inst.last_heartbeat_s = time.monotonic()
+        return inst
+
+    def deregister(self, url: str) -> bool:
+        """Forget `url` (it has drained and is going away). False if it was not known."""
+        inst = self.find(normalize_url(url))
+        if inst is None:
+            return False
+        self._remove(inst, "deregistered")
+        return True
+
+    def find(self, url: str) -> Instance | None:
+        return next((inst for inst in self.instances if inst.url == url), None)
+
+    def expire(self, now_s: float) -> list[Instance]:
+        """Drop registered instances whose heartbeats stopped `heartbeat_timeout_s` ago."""
+        gone = [
+            inst
+            for inst in self.instances
+            if inst.source == "registered"
+            and inst.last_heartbeat_s is not None
+            and now_s - inst.last_heartbeat_s > self.cfg.heartbeat_timeout_s
+        ]
+        for inst in gone:
+            self._remove(inst, f"no heartbeat for {self.cfg.heartbeat_timeout_s:g}s")
+        return gone
+
+    def _remove(self, inst: Instance, why: str) -> None:
+        pool = self.prefill if inst in self.prefill else self.decode
+        pool.remove(inst)
+        logger.warning("instance %s (%s) removed: %s", inst.url, inst.role, why)
+
+    def _pool_for(self, role: str) -> PoolName:
+        if role == self.decode_role:
+            return "decode"
+        if role == "prefill" and self.cfg.mode != "aggregated":
+            return "prefill"
+        wanted = "both" if self.cfg.mode == "aggregated" else "prefill or decode"
+        raise MembershipError(f"a {self.cfg.mode} router takes {wanted} instances, not {role!r}")
 
     def pick(self, pool: PoolName) -> Instance:
         """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy."""
@@ -181,6 +277,7 @@ class InstancePool:
             await asyncio.sleep(interval_s)
             if loop.time() >= next_health_s:
                 next_health_s = loop.time() + self.health_interval_s
+                self.expire(time.monotonic())
                 await self.poll_health()
             if self.uses_load:
                 await self.refresh_load(self.instances)

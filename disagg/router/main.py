@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="extend",
         default=[],
         metavar="URL",
-        help="prefill instance base URL(s); needed by pull and push",
+        help="prefill instance base URL(s); or let instances register (disagg serve --router)",
     )
     parser.add_argument(
         "--decode",
@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get HTTP 413",
     )  # fmt: skip
     parser.add_argument(
+        "--heartbeat-timeout-s", type=float, default=defaults["heartbeat_timeout_s"],
+        help="drop an instance that registered itself (disagg serve --router) after this long "
+        "without a heartbeat",
+    )  # fmt: skip
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"], help="log verbosity"
     )
 
@@ -110,6 +115,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         cluster_token=args.cluster_token or env_cluster_token(),
         failure_policy=args.failure_policy,
         max_request_bytes=args.max_request_bytes,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
     )
 
 

@@ -31,6 +31,8 @@ async def error_middleware(
         if exc.status < 400:
             raise
         return _http_error_response(exc)
+    except RouteError as exc:  # a handler's own refusal, already in the OpenAI shape
+        return exc.to_response()
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return RouteError.of(500, "internal router error").to_response()

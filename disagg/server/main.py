@@ -39,6 +39,13 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
      "clients must send 'Authorization: Bearer KEY' (default: open)"),
     (ServerConfig, "max_request_bytes", "--max-request-bytes",
      "larger request bodies get HTTP 413"),
+    (ServerConfig, "router_url", "--router",
+     "register with this router (needs the cluster token), heartbeat, and drain on SIGTERM"),
+    (ServerConfig, "advertise_url", "--advertise-url",
+     "the URL the router reaches this instance at (default: http://HOST:PORT)"),
+    (ServerConfig, "heartbeat_s", "--heartbeat-s", "seconds between heartbeats to --router"),
+    (ServerConfig, "drain_timeout_s", "--drain-timeout-s",
+     "on SIGTERM with --router: seconds to let in-flight requests and held KV finish"),
     (EngineConfig, "device", "--device", "where the model runs: cpu, cuda or cuda:N"),
     (EngineConfig, "dtype", "--dtype",
      "weights and KV dtype; auto = bfloat16 on CUDA or on CPUs with AVX512-BF16/AMX, "
@@ -133,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"disagg serve: {exc}", file=sys.stderr)
         return 2
+    if server.router_url and not config.kv_transfer.cluster_token:
+        why = "registrations are signed with it"
+        print(f"disagg serve: --router needs the cluster token (--cluster-token or "
+              f"$DISAGG_CLUSTER_TOKEN): {why}", file=sys.stderr)  # fmt: skip
+        return 2
     if config.kv_transfer.role != "both":
         from disagg.kv.transport import resolve_kind
 
@@ -172,13 +184,34 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
         )
         runner, port = await start_server(app, server.host, server.port)
         engine.set_address(server.host, port)  # peers reach the KV side channel here
+        registration = _registration(config, server, port)
         try:
+            if registration is not None:
+                await registration.start()
             print(f"disagg serve ready on http://{server.host}:{port}", flush=True)
             await stop.wait()
+            if registration is not None:  # still serving: streams finish, peers read our KV
+                await registration.drain(engine.is_idle, server.drain_timeout_s)
+                load = engine.load()
+                print(f"disagg serve drained: {load.get('num_free_blocks')} of "
+                      f"{load.get('num_total_blocks')} KV blocks free", flush=True)  # fmt: skip
         finally:
+            if registration is not None:
+                await registration.leave()
             await runner.cleanup()
     finally:
         await engine.shutdown()
+
+
+def _registration(config: EngineConfig, server: ServerConfig, port: int) -> Any:
+    """The router membership `--router` asks for, or None."""
+    if not server.router_url:
+        return None
+    from disagg.server.registration import Registration
+
+    own_url = server.advertise_url or f"http://{server.host}:{port}"
+    kv = config.kv_transfer
+    return Registration(server.router_url, own_url, kv.role, kv.cluster_token, server.heartbeat_s)
 
 
 def _stop_event() -> asyncio.Event:

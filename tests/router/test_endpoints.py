@@ -36,10 +36,13 @@ def test_health_and_instances_reflect_each_role() -> None:
                     async with session.post(url + "/v1/completions", json={"prompt": "x"}) as resp:
                         assert resp.status == 503
                         error = (await resp.json())["error"]
-        assert rows == [
-            {"url": dead_prefill, "role": "prefill", "healthy": False},
-            {"url": d_url, "role": "decode", "healthy": True},
-        ]
+        keys = ("url", "role", "healthy", "draining", "source")
+        assert [{k: row[k] for k in keys} for row in rows] == [
+            {"url": dead_prefill, "role": "prefill", "healthy": False, "draining": False,
+             "source": "static"},
+            {"url": d_url, "role": "decode", "healthy": True, "draining": False,
+             "source": "static"},
+        ]  # fmt: skip
         assert set(error) == {"message", "type", "param", "code"} and "prefill" in error["message"]
         assert d.received == []
 

@@ -1,0 +1,106 @@
+"""An instance's membership in a router (`disagg serve --router URL`): register, heartbeat,
+drain, leave.
+
+Every `heartbeat_s` the instance posts a signed registration (its URL and role) to the router,
+which adds it on the first one and drops it when they stop. On SIGTERM it says it is draining
+(the router sends it no new work), waits until every request it holds has finished and every
+KV block a peer may still read is released, deregisters, and only then stops. Must not serve
+requests (app.py) or touch the engine beyond asking whether it is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from disagg import auth
+
+__all__ = ["Registration"]
+
+log = logging.getLogger(__name__)
+
+REGISTER_PATH = "/internal/register"  # the router's (disagg.router.membership)
+DEREGISTER_PATH = "/internal/deregister"
+_CALL_TIMEOUT_S = 5.0
+_IDLE_POLL_S = 0.05
+
+
+class Registration:
+    def __init__(
+        self, router_url: str, own_url: str, role: str, cluster_token: str, heartbeat_s: float
+    ) -> None:
+        self.router_url = router_url.rstrip("/")
+        self.own_url = own_url
+        self.role = role
+        self.cluster_token = cluster_token
+        self.heartbeat_s = heartbeat_s
+        self.is_draining = False
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._is_failing = False  # log a failed heartbeat once per streak, not every beat
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_CALL_TIMEOUT_S))
+        self._task = asyncio.create_task(self._beat_forever(), name="router-heartbeat")
+
+    async def drain(self, is_idle: Callable[[], bool], timeout_s: float) -> bool:
+        """Tell the router to send nothing new; wait until `is_idle()`. False on timeout."""
+        self.is_draining = True
+        await self._beat()  # now, not at the next interval
+        log.info("draining: waiting for in-flight requests and held KV (up to %gs)", timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not is_idle():
+            if time.monotonic() > deadline:
+                log.warning("drain timed out after %gs with work left", timeout_s)
+                return False
+            await asyncio.sleep(_IDLE_POLL_S)
+        return True
+
+    async def leave(self) -> None:
+        """Stop heartbeating and deregister (best effort: the router also expires us)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self._post(DEREGISTER_PATH, {"url": self.own_url})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("deregistering from %s failed: %r", self.router_url, exc)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _beat_forever(self) -> None:
+        while True:
+            try:
+                await self._beat()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if not self._is_failing:  # the router may not be up yet; keep trying
+                    log.warning("heartbeat to %s failed: %r", self.router_url, exc)
+                self._is_failing = True
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _beat(self) -> None:
+        body = {"url": self.own_url, "role": self.role, "draining": self.is_draining}
+        await self._post(REGISTER_PATH, body)
+        if self._is_failing:
+            log.info("registered with %s again", self.router_url)
+        self._is_failing = False
+
+    async def _post(self, path: str, body: dict[str, Any]) -> None:
+        assert self._session is not None, "start() first"
+        data = json.dumps(body).encode()
+        headers = {
+            "Content-Type": "application/json",
+            auth.SIGNATURE_HEADER: auth.sign(self.cluster_token, "POST", path, data),
+        }
+        async with self._session.post(self.router_url + path, data=data, headers=headers) as resp:
+            if resp.status >= 400:  # a refusal (wrong role, bad token) will not heal by itself
+                text = (await resp.text())[:300]
+                raise aiohttp.ClientResponseError(
+                    resp.request_info, (), status=resp.status, message=text
+                )

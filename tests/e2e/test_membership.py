@@ -1,0 +1,124 @@
+"""End to end: live membership. A router started with no instances; instances that register
+themselves (`disagg serve --router`) receive work; one killed outright stops receiving work and
+leaves the list within 3 heartbeat intervals; one drained (SIGTERM) under load finishes every
+request it holds, reports its pool full, and leaves.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import (
+    HOST,
+    Answer,
+    Cluster,
+    Proc,
+    complete,
+    completion_body,
+    prompt_ids,
+    running_cluster,
+)
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_S = 0.5
+TIMEOUT_S = 3 * HEARTBEAT_S  # the router drops an instance after 3 missed heartbeats
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
+    with running_cluster(request, "e2e-membership", tiny_qwen3_dir) as started:
+        yield started
+
+
+def start_router(cluster: Cluster) -> Proc:
+    """An aggregated router naming no instance: it answers 503 until one registers."""
+    argv = ["route", "--host", HOST, "--port", "0", "--mode", "aggregated"]
+    router = cluster._spawn("router", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
+    until(lambda: router.poll_ready() or bool(router.url), "the router to listen")
+    assert router.get_status("/health") == 503
+    return router
+
+
+def start_instance(cluster: Cluster, name: str, router: Proc) -> Proc:
+    args = ["--router", router.url, "--heartbeat-s", str(HEARTBEAT_S)]
+    instance = cluster.serve(name, args=args)
+    cluster.wait_ready(instance)
+    until(lambda: instance.url in listed(router), f"{name} to register")
+    return instance
+
+
+def listed(router: Proc) -> dict[str, dict]:
+    return {row["url"]: row for row in router.get_json("/instances")}
+
+
+def until(condition, what: str, timeout_s: float = WAIT_S) -> float:
+    """Seconds until `condition()` held; fails after timeout_s."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def ask(router: Proc, seed: int, max_tokens: int = 8) -> Answer:
+    return complete(router.url, completion_body(prompt_ids(seed, 24), max_tokens))
+
+
+def test_register_kill_and_drain(cluster: Cluster) -> None:
+    router = start_router(cluster)
+    first = start_instance(cluster, "first", router)
+    until(lambda: router.get_status("/health") == 200, "the router to take work")
+    assert ask(router, 1).status == 200
+    assert first.num_finished("length") == 1
+    assert listed(router)[first.url]["source"] == "registered"
+
+    late = start_instance(cluster, "late", router)  # joins a router already serving
+    until(lambda: listed(router)[late.url]["healthy"], "the late instance to be probed")
+    for seed in range(2, 6):
+        assert ask(router, seed).status == 200
+    assert late.num_finished("length") >= 1, "the late instance never received work"
+
+    late.kill()  # no deregistration: only the missed heartbeats tell the router
+    gone_after_s = until(lambda: late.url not in listed(router), "the killed instance to go")
+    assert gone_after_s <= 3 * HEARTBEAT_S + 1.0  # + one health poll and a scheduling slack
+    served_before = first.num_finished("length")
+    answers = [ask(router, seed) for seed in range(10, 14)]
+    assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
+    assert first.num_finished("length") == served_before + 4
+
+    spare = start_instance(cluster, "spare", router)
+    until(lambda: listed(router)[spare.url]["healthy"], "the spare instance to be probed")
+    drain_under_load(cluster, router, first, spare)
+
+
+def drain_under_load(cluster: Cluster, router: Proc, draining: Proc, staying: Proc) -> None:
+    """SIGTERM `draining` while requests run on both: none is lost, its pool ends full."""
+    answers: list[Answer] = []
+    threads = [
+        threading.Thread(target=lambda s=seed: answers.append(ask(router, s, max_tokens=400)))
+        for seed in range(20, 26)
+    ]
+    for thread in threads:
+        thread.start()
+    until(lambda: draining.load()["num_running"] > 0, "requests on the draining instance")
+    draining.popen.send_signal(signal.SIGTERM)
+    until(lambda: listed(router).get(draining.url, {}).get("draining", True), "draining shown")
+    during = ask(router, 30)  # new work goes to the instance that stays
+    assert during.status == 200, during.body
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert [a.status for a in answers] == [200] * len(threads), [a.body for a in answers]
+    assert all(a.body["usage"]["completion_tokens"] == 400 for a in answers)
+    assert draining.popen.wait(WAIT_S) == 0
+    log = draining.log_path.read_text()
+    assert "disagg serve drained: 1024 of 1024 KV blocks free" in log, draining.log_tail()
+    until(lambda: draining.url not in listed(router), "the drained instance to leave")
+    assert staying.num_finished("length") >= 1
