@@ -123,7 +123,10 @@ def _start(model_dir: Path, args: argparse.Namespace, log_dir: Path, started: li
     token, deadline = secrets.token_urlsafe(24), time.monotonic() + START_TIMEOUT_S
     for name, role, connector, extra in PLAN:
         argv = ["serve", "--model", str(model_dir), "--host", HOST, "--port", "0"]
-        argv += ["--num-threads", "1", "--role", role, *extra]
+        # fp32: "wrong text" compares tokens with the reference, and in bf16 (the default where
+        # the CPU has it) two batch compositions round differently, so a busy machine would
+        # report batching as corruption.
+        argv += ["--num-threads", "1", "--role", role, "--dtype", "float32", *extra]
         if role != "both":
             argv += ["--kv-connector", connector, "--kv-transport", args.transport]
             argv += ["--kv-host", HOST]

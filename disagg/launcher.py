@@ -223,6 +223,10 @@ class Cluster:
         return False
 
 
+def resolve_model_dir(model: str) -> Path:
+    return _resolve_model(model)
+
+
 def _resolve_model(model: str) -> Path:
     """Convert a short name once, here, so that N instances don't all race to convert it."""
     path = Path(model).expanduser()
@@ -270,6 +274,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"disagg up: {exc}", file=sys.stderr)
         return 2
     stop = _StopSignals()
+    if config.backend == "ray":
+        from disagg import ray_backend  # Ray is optional: imported only for this backend
+
+        try:
+            return ray_backend.run(config, stop.is_requested, _say)
+        finally:
+            stop.restore()
     cluster = Cluster(config, echo=_say)
     try:
         return _run_cluster(cluster, stop)

@@ -35,6 +35,7 @@ __all__ = [
 
 # auto: nixl when installed, else tcp. "local" is in-process only: useless across processes.
 UpTransport = Literal["auto", "nixl", "tcp"]
+Backend = Literal["local", "ray"]
 
 # Flags the launcher sets on every instance; a pass-through copy would break the cluster's wiring.
 _OWNED_SERVE_FLAGS = ("--model", "--host", "--port", "--role", "--kv-connector", "--kv-transport")
@@ -61,6 +62,9 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()  # ... for prefill instances only (after serve_args)
     decode_args: tuple[str, ...] = ()  # ... for decode (or aggregated) instances only
     log_dir: Path | None = None  # one log file per process; None = a fresh temp dir
+    # local: child processes of `disagg up`; ray: Ray actors (disagg/ray_backend.py)
+    backend: Backend = "local"
+    ray_address: str = ""  # the Ray cluster to join; "" = start a local one (ray backend)
     startup_timeout_s: float = 300.0  # covers model loading on every instance
     stop_timeout_s: float = 10.0  # SIGTERM grace per stage before SIGKILL
 
@@ -68,6 +72,7 @@ class ClusterConfig:
         _check_choice("mode", self.mode, RouterMode)
         _check_choice("kv_transport", self.kv_transport, UpTransport)
         _check_choice("pull_setup", self.pull_setup, PullSetup)
+        _check_choice("backend", self.backend, Backend)
         _check_choice("policy", self.policy, PolicyName)
         self._check_types()
         if self.num_prefill is not None and self.num_prefill < 0:
@@ -202,6 +207,7 @@ def merge_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Cl
 _FLAG_FIELDS = (
     "mode", "num_prefill", "num_decode", "model", "port", "host", "kv_transport", "policy",
     "pull_setup", "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
+    "backend", "ray_address",
 )  # fmt: skip
 
 
@@ -244,6 +250,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add("--config", type=Path, metavar="TOML", help="cluster file; flags given here win over it")
     add("--log-dir", type=Path, help="one log file per process (default: a fresh temp dir)")
+    add(
+        "--backend", choices=get_args(Backend),
+        help="local: child processes of this command; ray: Ray actors, restarted by Ray if "
+        "they die (pip install 'disagg[ray]') (default: local)",
+    )  # fmt: skip
+    add(
+        "--address", dest="ray_address", metavar="RAY_ADDRESS",
+        help="with --backend ray: the Ray cluster to join (default: start a local one)",
+    )  # fmt: skip
     add(
         "--startup-timeout-s", type=float,
         help=f"seconds to wait for every process to be ready (default: {d['startup_timeout_s']:g})",
