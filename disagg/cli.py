@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("disagg.router.main", "run the OpenAI-compatible router in front of instances"),
     "up": ("disagg.launcher", "start a local cluster (router + instances) and wait"),
     "status": ("disagg.status.main", "live view of every instance behind a router (like top)"),
+    "scale": ("disagg.scale", "grow or drain one role of a cluster on Ray, dropping nothing"),
     "bench": ("disagg.bench.main", "load-test any OpenAI-compatible server"),
     "sim": ("disagg.sim.main", "simulate a deployment (pull, push, aggregated) on a cost model"),
     "make-model": ("disagg.engine.make_model", "write a random-weight checkpoint"),

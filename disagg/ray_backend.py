@@ -26,13 +26,14 @@ from typing import Any
 
 from disagg.launcher_children import die_with_parent_fn, free_ports, is_healthy
 
-__all__ = ["NAMESPACE", "RayCluster", "import_ray", "run"]
+__all__ = ["INSTANCE_NAME", "NAMESPACE", "RayCluster", "import_ray", "run", "start_actor"]
 
 NAMESPACE = "disagg"  # actors are named (router, prefill-0, decode-0, ...) in this namespace
 MAX_RESTARTS = 3
 NODE_IP = "{node_ip}"  # replaced, inside each actor, by the address of the node it runs on
 CPU_SHARE = 0.1  # logical CPUs an actor reserves where there is no GPU: all fit on one host
 _READY = re.compile(r"ready on (http://\S+)")
+INSTANCE_NAME = re.compile(r"^(prefill|decode|both)-(\d+)$")  # actor names: role-index
 _POLL_S = 0.1
 
 
@@ -49,9 +50,12 @@ def import_ray() -> Any:
 class ChildProcess:
     """A Ray actor's body: run one command as a child, and die with it so Ray restarts us."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log_path: str, options: dict[str, Any]
+    ) -> None:
         import ray
 
+        self.template = (argv, env, options)  # what `disagg scale` copies to add a sibling
         node_ip = ray.util.get_node_ip_address()
         self.argv = [arg.replace(NODE_IP, node_ip) for arg in argv]
         self.log_path = Path(log_path)
@@ -88,6 +92,10 @@ class ChildProcess:
 
     def pid(self) -> int:
         return self.proc.pid
+
+    def spec(self) -> tuple[list[str], dict[str, str], dict[str, Any], str]:
+        """(argv before node substitution, env, actor options, log directory)."""
+        return (*self.template, str(self.log_path.parent))
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM (an instance drains first), SIGKILL after timeout_s; the exit code."""
@@ -150,11 +158,12 @@ class RayCluster:
         if ray is None:
             return
         timeout_s = self.config.stop_timeout_s + 60.0  # an instance's default drain timeout
-        stops = [a.stop.remote(timeout_s) for a in self.instances.values()]
+        instances = [*self.instances.values(), *self._scaled_in(ray)]
+        stops = [a.stop.remote(timeout_s) for a in instances]
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s + 10)
         if self.router is not None:
             ray.wait([self.router.stop.remote(self.config.stop_timeout_s)], timeout=30)
-        for actor in [*self.instances.values(), *([self.router] if self.router else [])]:
+        for actor in [*instances, *([self.router] if self.router else [])]:
             ray.kill(actor, no_restart=True)
         if self._started_ray:
             ray.shutdown()
@@ -182,18 +191,44 @@ class RayCluster:
                 commands.append((f"{role}-{index}", argv))
         return commands
 
+    def _scaled_in(self, ray: Any) -> list[Any]:
+        """Instances `disagg scale` added (detached: they outlive its driver)."""
+        names = [
+            n
+            for n in ray.util.list_named_actors()
+            if INSTANCE_NAME.match(n) and n not in self.instances
+        ]
+        found = []
+        for name in names:
+            try:
+                found.append(ray.get_actor(name))
+            except ValueError:  # gone since it was listed
+                continue
+        return found
+
     def _host(self) -> str:
         """Where a process listens: the cluster's host on a local Ray (one machine, bound
         where the user said), its node's address when joining a Ray cluster."""
         return NODE_IP if self.address else self.config.host
 
     def _actor(self, name: str, argv: list[str], gpus: int) -> Any:
-        options: dict[str, Any] = {"name": name, "max_restarts": MAX_RESTARTS}
-        options |= {"num_gpus": gpus} if gpus else {"num_cpus": CPU_SHARE}
-        remote = self._ray.remote(ChildProcess).options(**options)
-        actor = remote.remote(argv, self.env, str(self.log_dir / f"{name}.log"))
+        options: dict[str, Any] = {"num_gpus": gpus} if gpus else {"num_cpus": CPU_SHARE}
+        actor = start_actor(self._ray, name, argv, self.env, options, self.log_dir)
         self._echo(f"disagg up: {name} as a Ray actor, log {self.log_dir / f'{name}.log'}")
         return actor
+
+
+def start_actor(
+    ray: Any,
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    options: dict[str, Any],
+    log_dir: Path,
+) -> Any:
+    """A named ChildProcess actor running `argv`; Ray restarts it up to MAX_RESTARTS times."""
+    remote = ray.remote(ChildProcess).options(name=name, max_restarts=MAX_RESTARTS, **options)
+    return remote.remote(argv, env, str(log_dir / f"{name}.log"), options)
 
 
 def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:

@@ -72,6 +72,37 @@ def kill_decode_actor() -> None:
         ray.shutdown()
 
 
+def scale(count: int) -> None:
+    argv = [sys.executable, "-m", "disagg.cli", "scale", "--address", "auto", "--role", "decode"]
+    done = subprocess.run([*argv, "--count", str(count)], capture_output=True, text=True,
+                          timeout=UP_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def scale_up_then_drain_under_load(url: str, long_body: dict) -> None:
+    """`disagg scale` adds a decode instance that takes work, then drains it away while three
+    long requests run: each finishes whole."""
+    scale(2)
+    wait_until(lambda: len(decode_urls(url)) == 2, "two decode instances")
+    with ThreadPoolExecutor(3) as clients:
+        running = [clients.submit(complete, url, long_body, timeout_s=120.0) for _ in range(3)]
+        time.sleep(0.3)
+        scale(1)  # drains decode-1: no new work, its requests finish, then it goes
+        answers = [f.result(timeout=180) for f in running]
+    assert [a.status for a in answers] == [200] * 3, [a.body for a in answers]
+    assert all(a.body["usage"]["completion_tokens"] == 600 for a in answers)
+    assert len(decode_urls(url)) == 1
+
+
+def decode_urls(router_url: str) -> list[str]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{router_url}/instances", timeout=5) as resp:
+        rows = json.loads(resp.read())
+    return [r["url"] for r in rows if r["role"] == "decode" and r["healthy"]]
+
+
 def decode_url(router_url: str) -> str | None:
     import json
     import urllib.request
@@ -104,6 +135,8 @@ def test_ray_backend_serves_restarts_and_tears_down(
 
         wait_until(lambda: (u := decode_url(url)) and u != first_decode, "the restarted decode")
         assert [complete(url, body).text for body in bodies] == expected
+        if mode == "push":
+            scale_up_then_drain_under_load(url, long_body)
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(120) == 0
