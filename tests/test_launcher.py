@@ -92,6 +92,27 @@ def test_flags_win_over_file(tmp_path: Path) -> None:
     assert route[route.index("--prefill") :] == ["--prefill", "p0", "p1", "--decode", "d0"]
 
 
+def test_one_cluster_file_serves_both_backends(tmp_path: Path) -> None:
+    toml = tmp_path / "cluster.toml"
+    toml.write_text('mode = "push"\nnum_decode = 2\nbackend = "ray"\nray_address = "h:6379"\n')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--config", str(toml)]))
+    assert (cfg.backend, cfg.ray_address, cfg.mode, cfg.num_decode) == ("ray", "h:6379", "push", 2)
+    local = config_from_args(parser.parse_args(["--config", str(toml), "--backend", "local"]))
+    assert local.backend == "local" and local.serve_command("decode", Path("m"), 1) == (
+        cfg.serve_command("decode", Path("m"), 1)
+    )  # the same instances either way
+
+
+def test_ray_backend_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg import ray_backend
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(RuntimeError, match=re.escape("pip install 'disagg[ray]'")):
+        ray_backend.import_ray()
+
+
 def test_default_counts_per_mode() -> None:
     assert ClusterConfig().roles == (("both", 1),)
     assert ClusterConfig(mode="push").roles == (("prefill", 1), ("decode", 1))
