@@ -122,3 +122,36 @@ def drain_under_load(cluster: Cluster, router: Proc, draining: Proc, staying: Pr
     assert "disagg serve drained: 1024 of 1024 KV blocks free" in log, draining.log_tail()
     until(lambda: draining.url not in listed(router), "the drained instance to leave")
     assert staying.num_finished("length") >= 1
+
+
+def test_a_prefill_instance_drains_mid_handoff_in_pull_mode(cluster: Cluster) -> None:
+    """Pull: requests prefilled on P wait there for D's READ. A P told to stop keeps its KV
+    until every D has read it: no request is lost or answered twice, and its pool ends full."""
+    argv = ["route", "--host", HOST, "--port", "0", "--mode", "pull"]
+    router = cluster._spawn("router-pull", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
+    until(lambda: router.poll_ready() or bool(router.url), "the pull router to listen")
+    args = ["--router", router.url, "--heartbeat-s", str(HEARTBEAT_S)]
+    kv = {"connector": "pull", "transport": "tcp", "args": args}
+    leaving = cluster.serve("p-leaving", role="prefill", **kv)
+    staying = cluster.serve("p-staying", role="prefill", **kv)
+    decode = cluster.serve("d-pull", role="decode", **kv)
+    cluster.wait_ready(leaving, staying, decode)
+    until(lambda: router.get_status("/health") == 200, "the pull router to take work")
+    answers: list[Answer] = []
+    threads = [
+        threading.Thread(target=lambda s=seed: answers.append(ask(router, s, max_tokens=200)))
+        for seed in range(40, 48)
+    ]
+    for thread in threads:
+        thread.start()
+    until(lambda: leaving.num_finished("length") + leaving.load()["num_running"] > 0,
+          "work on the prefill instance that leaves")  # fmt: skip
+    leaving.popen.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert [a.status for a in answers] == [200] * len(threads), [a.body for a in answers]
+    assert all(a.body["usage"]["completion_tokens"] == 200 for a in answers)
+    assert leaving.popen.wait(WAIT_S) == 0
+    assert "disagg serve drained: 1024 of 1024 KV blocks free" in leaving.log_path.read_text()
+    assert decode.load()["num_free_blocks"] == decode.load()["num_total_blocks"]
+    assert staying.url in listed(router) and leaving.url not in listed(router)
