@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 __all__ = ["ClusterStatus", "Health", "InstanceStatus", "RouterRow", "RouterStatus"]
 
-Health = Literal["ok", "unhealthy", "down"]  # /health: 200 | answered otherwise | no answer
+# /health: 200 | answered otherwise | no answer; draining: 200, and the router says it is leaving
+Health = Literal["ok", "draining", "unhealthy", "down"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class RouterRow:
     url: str  # base URL, as the router reaches it
     role: str  # prefill | decode | both
     is_routed: bool  # the router's own health view: it sends this instance requests
+    is_draining: bool = False  # finishing its requests before it leaves; gets no new work
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -67,7 +67,8 @@ def parse_instance_list(answer: Answer) -> list[RouterRow]:
         if not (isinstance(item, dict) and isinstance(item.get("url"), str)):
             raise ValueError(f"GET /instances: entry without a url: {item!r}")
         role = item.get("role")
-        rows.append(RouterRow(item["url"], str(role), item.get("healthy") is True))
+        is_draining = item.get("draining") is True
+        rows.append(RouterRow(item["url"], str(role), item.get("healthy") is True, is_draining))
     return rows
 
 
@@ -100,6 +101,8 @@ def build_router(url: str, answers: Mapping[str, Answer]) -> RouterStatus:
 def build_instance(row: RouterRow, answers: Mapping[str, Answer]) -> InstanceStatus:
     """`answers`: path -> Answer for INSTANCE_PATHS. A failed probe leaves its fields None."""
     health = _health(answers["/health"])
+    if health == "ok" and row.is_draining:
+        health = "draining"  # up and finishing its requests; the router sends it nothing new
     base = {"url": row.url, "role": row.role, "health": health, "is_routed": row.is_routed}
     if health == "down":
         return InstanceStatus(**base, problems=[f"{answers['/health'].error}"])

@@ -79,6 +79,18 @@ def test_aggregated_instance_has_no_kv_counters():
     assert inst.loop_blocked_s is None and inst.num_blocks_used == 0
 
 
+def test_a_draining_instance_is_shown_draining_while_it_still_answers():
+    rows = parse_instance_list(
+        json_answer([{"url": "http://a:1", "role": "both", "healthy": True, "draining": True}])
+    )
+    assert rows == [RouterRow("http://a:1", "both", True, is_draining=True)]
+    engine = FakeEngine(make_load(), {"role": "both", "model": "m"})
+    inst = build_instance(rows[0], instance_answers(engine, [], []))
+    assert inst.health == "draining" and inst.num_blocks_total is not None
+    gone = dict.fromkeys(("/health", "/load", "/kv_info", "/metrics"), down("refused"))
+    assert build_instance(rows[0], gone).health == "down"
+
+
 def test_instance_that_does_not_answer_is_down_with_the_reason():
     answers = dict.fromkeys(("/health", "/load", "/kv_info", "/metrics"), down("timed out"))
     inst = build_instance(DECODE, answers)
