@@ -20,6 +20,7 @@ __all__ = [
     "WINDOW_S",
     "bearer_matches",
     "digest",
+    "json_headers",
     "sign",
     "verify",
 ]
@@ -43,6 +44,14 @@ def sign(secret: str, method: str, path: str, body: bytes, *, now: float | None 
     stamp = str(int(time.time() if now is None else now))
     mac = digest(secret, stamp.encode(), method.upper().encode(), path.encode(), body)
     return f"t={stamp},s={mac.hex()}"
+
+
+def json_headers(secret: str, path: str, body: bytes) -> dict[str, str]:
+    """Headers of a JSON POST to `path`, signed with `secret` (unsigned when it is empty)."""
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers[SIGNATURE_HEADER] = sign(secret, "POST", path, body)
+    return headers
 
 
 def verify(

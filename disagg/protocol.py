@@ -12,13 +12,21 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = [
+    "DEREGISTER_PATH",
     "EngineOverloadedError",
     "FinishReason",
     "KVTransferParams",
+    "REGISTER_PATH",
     "RequestOutput",
     "SamplingParams",
     "TTFTBreakdown",
 ]
+
+
+# The router's membership routes: an instance (disagg serve --router) posts its registration and
+# heartbeats to the first, and leaves through the second (disagg.router.membership).
+REGISTER_PATH = "/internal/register"
+DEREGISTER_PATH = "/internal/deregister"
 
 
 class EngineOverloadedError(RuntimeError):

@@ -72,9 +72,7 @@ def post_json(
     must be signed by the peer too. Raises HandshakeError with the peer's reason."""
     data = json.dumps(body).encode()
     path = urllib.parse.urlsplit(url).path
-    headers = {"Content-Type": "application/json"}
-    if secret:
-        headers[auth.SIGNATURE_HEADER] = auth.sign(secret, "POST", path, data)
+    headers = auth.json_headers(secret, path, data)
     req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:

@@ -359,10 +359,7 @@ class Router:
     def _signature(self, path: str, data: bytes) -> dict[str, str]:
         """Headers that make a leg a cluster call: instances accept kv_transfer_params and
         aborts only when signed with the cluster token."""
-        headers = {"Content-Type": "application/json"}
-        if self.cfg.cluster_token:
-            headers[auth.SIGNATURE_HEADER] = auth.sign(self.cfg.cluster_token, "POST", path, data)
-        return headers
+        return auth.json_headers(self.cfg.cluster_token, path, data)
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)

@@ -16,13 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from disagg import auth
+from disagg.protocol import DEREGISTER_PATH, REGISTER_PATH
 from disagg.router.instances import InstancePool, MembershipError
 from disagg.router.relay import RouteError
 
-__all__ = ["DEREGISTER_PATH", "REGISTER_PATH", "add_membership_routes"]
-
-REGISTER_PATH = "/internal/register"
-DEREGISTER_PATH = "/internal/deregister"
+__all__ = ["add_membership_routes"]
 
 
 def add_membership_routes(app: web.Application, pool: InstancePool, cluster_token: str) -> None:

@@ -20,13 +20,12 @@ from typing import Any
 import aiohttp
 
 from disagg import auth
+from disagg.protocol import DEREGISTER_PATH, REGISTER_PATH
 
 __all__ = ["Registration"]
 
 log = logging.getLogger(__name__)
 
-REGISTER_PATH = "/internal/register"  # the router's (disagg.router.membership)
-DEREGISTER_PATH = "/internal/deregister"
 _CALL_TIMEOUT_S = 5.0
 _IDLE_POLL_S = 0.05
 
@@ -94,10 +93,7 @@ class Registration:
     async def _post(self, path: str, body: dict[str, Any]) -> None:
         assert self._session is not None, "start() first"
         data = json.dumps(body).encode()
-        headers = {
-            "Content-Type": "application/json",
-            auth.SIGNATURE_HEADER: auth.sign(self.cluster_token, "POST", path, data),
-        }
+        headers = auth.json_headers(self.cluster_token, path, data)
         async with self._session.post(self.router_url + path, data=data, headers=headers) as resp:
             if resp.status >= 400:  # a refusal (wrong role, bad token) will not heal by itself
                 text = (await resp.text())[:300]
