@@ -54,7 +54,7 @@ class Cluster:
         self._instances: list[Child] = []
         self._router: Child | None = None
         # One secret per cluster (or the operator's): signs every call between the children.
-        self._cluster_token = env_cluster_token() or secrets.token_urlsafe(32)
+        self._cluster_token = cluster_token()
 
     @property
     def url(self) -> str:
@@ -101,7 +101,7 @@ class Cluster:
         deadline = time.monotonic() + self.config.startup_timeout_s
         if self.config.port:  # fail before loading models, and never mistake another server's
             check_port_free(self.config.host, self.config.port)  # /health for our router's
-        model_dir = _resolve_model(self.config.model)
+        model_dir = resolve_model_dir(self.config.model)
         self.log_dir = make_log_dir(self.config.log_dir)
         self._echo(f"disagg up: logs in {self.log_dir}")
         self._instances = self._plan_instances(model_dir)
@@ -223,11 +223,12 @@ class Cluster:
         return False
 
 
+def cluster_token() -> str:
+    """The operator's cluster secret ($DISAGG_CLUSTER_TOKEN), else a fresh one for this cluster."""
+    return env_cluster_token() or secrets.token_urlsafe(32)
+
+
 def resolve_model_dir(model: str) -> Path:
-    return _resolve_model(model)
-
-
-def _resolve_model(model: str) -> Path:
     """Convert a short name once, here, so that N instances don't all race to convert it."""
     path = Path(model).expanduser()
     if (path / "config.json").is_file():

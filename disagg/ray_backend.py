@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disagg.config import ServerConfig
 from disagg.launcher_children import die_with_parent_fn, free_ports, is_healthy
 
 __all__ = ["INSTANCE_NAME", "NAMESPACE", "RayCluster", "import_ray", "run", "start_actor"]
@@ -157,7 +158,7 @@ class RayCluster:
         ray = self._ray
         if ray is None:
             return
-        timeout_s = self.config.stop_timeout_s + 60.0  # an instance's default drain timeout
+        timeout_s = self.config.stop_timeout_s + ServerConfig().drain_timeout_s  # instances' own
         instances = [*self.instances.values(), *self._scaled_in(ray)]
         stops = [a.stop.remote(timeout_s) for a in instances]
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s + 10)
@@ -175,7 +176,6 @@ class RayCluster:
         if argv[-1] == "--decode":  # no instance to name: they register themselves
             argv.pop()
         argv[argv.index("--host") + 1] = self._host()
-        argv += ["--heartbeat-timeout-s", "3"]
         self.router = self._actor("router", argv, gpus=0)
         return self._ray.get(self.router.url.remote(self.config.startup_timeout_s))
 
@@ -186,7 +186,7 @@ class RayCluster:
                 argv = self.config.serve_command(role, self.model_dir, 0)
                 host = self._host()
                 argv[argv.index("--host") + 1] = host
-                argv += ["--router", self.url, "--heartbeat-s", "1"]
+                argv += ["--router", self.url]
                 argv += ["--kv-host", host] if role != "both" else []
                 commands.append((f"{role}-{index}", argv))
         return commands
@@ -233,16 +233,14 @@ def start_actor(
 
 def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:
     """`disagg up --backend ray` until SIGINT/SIGTERM; the exit code."""
-    import secrets
-
-    from disagg.config import env_cluster_token
+    from disagg.launcher import cluster_token, resolve_model_dir
     from disagg.launcher_children import make_log_dir
 
-    model_dir = _resolve(config.model)
+    model_dir = resolve_model_dir(config.model)
     log_dir = make_log_dir(config.log_dir)
     echo(f"disagg up: logs in {log_dir}")
-    token = env_cluster_token() or secrets.token_urlsafe(32)
-    cluster = RayCluster(config, model_dir, log_dir, token, config.ray_address or None, echo)
+    address = config.ray_address or None
+    cluster = RayCluster(config, model_dir, log_dir, cluster_token(), address, echo)
     try:
         url = cluster.start()
         roles = ", ".join(f"{n} {r}" for r, n in config.roles)
@@ -256,9 +254,3 @@ def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None
         return 1
     finally:
         cluster.stop()
-
-
-def _resolve(model: str) -> Path:
-    from disagg.launcher import resolve_model_dir
-
-    return resolve_model_dir(model)

@@ -147,6 +147,7 @@ class InstancePool:
         }
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()  # first probes of new registrations
 
     @property
     def instances(self) -> list[Instance]:
@@ -179,7 +180,9 @@ class InstancePool:
             (self.prefill if pool_name == "prefill" else self.decode).append(inst)
             logger.info("instance %s (%s) registered", url, role)
             if self._session is not None:  # probed now, not at the next poll
-                asyncio.get_running_loop().create_task(self._probe_health(inst))
+                probe = asyncio.get_running_loop().create_task(self._probe_health(inst))
+                self._probes.add(probe)  # the loop holds tasks weakly: keep it until done
+                probe.add_done_callback(self._probes.discard)
         if inst.is_draining != is_draining:
             logger.info("instance %s %s", url, "draining" if is_draining else "taking work again")
         inst.is_draining = is_draining
