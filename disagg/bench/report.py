@@ -154,7 +154,7 @@ def format_sweep_markdown(runs: list[dict[str, Any]]) -> str:
     cols = ["mode", "rate (req/s)", "input", "output", "done", "req/s", "out tok/s"]
     cols += ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "E2EL p50", "goodput"]
     measured = "Simulated" if _tag(runs) else "Measured"
-    lines = [f"{measured}: {caption(runs).split('; bars')[0]}.", ""]
+    lines = [f"{measured}: {caption(runs, has_bars=False)}.", ""]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in runs:
         goodput = r.get("request_goodput")
@@ -225,18 +225,21 @@ def _quartiles(values: list[float], median: float) -> tuple[float, float]:
     return max(0.0, median - p25), max(0.0, p75 - median)
 
 
-def caption(runs: list[dict[str, Any]]) -> str:
-    """What every figure must say: model, requests per point, output length, what each mode is."""
+def caption(runs: list[dict[str, Any]], *, has_bars: bool = True) -> str:
+    """What every figure must say: model, requests per point, output length (and, simulated,
+    the hardware); `has_bars` adds what its error bars are."""
     first = runs[0]
-    model = Path(str(first.get("model_id") or "?")).name
     counts = sorted({int(r.get("num_prompts") or 0) for r in runs})
-    text = f"model {model}; {'/'.join(map(str, counts))} requests per point; "
-    text += f"{first.get('random_output_len', '?')} output tokens; "
-    text += "bars: per-request interquartile range"
+    parts = [
+        f"model {Path(str(first.get('model_id') or '?')).name}",
+        f"{'/'.join(map(str, counts))} requests per point",
+        f"{first.get('random_output_len', '?')} output tokens",
+    ]
+    parts += ["bars: per-request interquartile range"] if has_bars else []
     sim = first.get("sim")
     if isinstance(sim, dict):
-        text += f"; {sim.get('hardware')} x tp {sim.get('tp')}"
-    return text
+        parts.append(f"{sim.get('hardware')} x tp {sim.get('tp')}")
+    return "; ".join(parts)
 
 
 def _plot_vs_rate(plt: Any, runs: list[dict[str, Any]], input_len: int, path: Path) -> Path:
@@ -307,7 +310,7 @@ def _plot_breakdown(plt: Any, runs: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title(f"mean TTFT breakdown at {rate:g} req/s, input {input_len} tokens{_tag(runs)}")
     ax.set_ylabel("ms")
     ax.legend()
-    fig.text(0.01, 0.01, caption(runs).split("; bars")[0], fontsize=8, alpha=0.8)
+    fig.text(0.01, 0.01, caption(runs, has_bars=False), fontsize=8, alpha=0.8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
