@@ -7,9 +7,9 @@ request it holds, reports its pool full, and leaves.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,18 +38,36 @@ def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cl
         yield started
 
 
-def start_router(cluster: Cluster) -> Proc:
-    """An aggregated router naming no instance: it answers 503 until one registers."""
-    argv = ["route", "--host", HOST, "--port", "0", "--mode", "aggregated"]
-    router = cluster._spawn("router", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
-    until(lambda: router.poll_ready() or bool(router.url), "the router to listen")
+def start_router(cluster: Cluster, mode: str = "aggregated") -> Proc:
+    """A router naming no instance: it answers 503 until every role has registered."""
+    argv = ["route", "--host", HOST, "--port", "0", "--mode", mode]
+    router = cluster._spawn(f"router-{mode}", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
+    until(lambda: router.poll_ready() or bool(router.url), f"the {mode} router to listen")
     assert router.get_status("/health") == 503
     return router
 
 
+def registering(router: Proc) -> list[str]:
+    """`disagg serve` flags that make an instance join `router` on its own."""
+    return ["--router", router.url, "--heartbeat-s", str(HEARTBEAT_S)]
+
+
+def start_load(router: Proc, seeds: range, max_tokens: int) -> tuple[ThreadPoolExecutor, list]:
+    """One client per seed, all at once: (the pool, their futures of Answer)."""
+    clients = ThreadPoolExecutor(len(seeds))
+    return clients, [clients.submit(ask, router, s, max_tokens) for s in seeds]
+
+
+def finish_load(clients: ThreadPoolExecutor, running: list, max_tokens: int) -> None:
+    """Every client got a whole answer (a hung one fails the `result` wait)."""
+    answers = [future.result(timeout=WAIT_S) for future in running]
+    clients.shutdown()
+    assert [a.status for a in answers] == [200] * len(answers), [a.body for a in answers]
+    assert all(a.body["usage"]["completion_tokens"] == max_tokens for a in answers)
+
+
 def start_instance(cluster: Cluster, name: str, router: Proc) -> Proc:
-    args = ["--router", router.url, "--heartbeat-s", str(HEARTBEAT_S)]
-    instance = cluster.serve(name, args=args)
+    instance = cluster.serve(name, args=registering(router))
     cluster.wait_ready(instance)
     until(lambda: instance.url in listed(router), f"{name} to register")
     return instance
@@ -101,22 +119,13 @@ def test_register_kill_and_drain(cluster: Cluster) -> None:
 
 def drain_under_load(cluster: Cluster, router: Proc, draining: Proc, staying: Proc) -> None:
     """SIGTERM `draining` while requests run on both: none is lost, its pool ends full."""
-    answers: list[Answer] = []
-    threads = [
-        threading.Thread(target=lambda s=seed: answers.append(ask(router, s, max_tokens=400)))
-        for seed in range(20, 26)
-    ]
-    for thread in threads:
-        thread.start()
+    clients, running = start_load(router, range(20, 26), max_tokens=400)
     until(lambda: draining.load()["num_running"] > 0, "requests on the draining instance")
     draining.popen.send_signal(signal.SIGTERM)
     until(lambda: listed(router).get(draining.url, {}).get("draining", True), "draining shown")
     during = ask(router, 30)  # new work goes to the instance that stays
     assert during.status == 200, during.body
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert [a.status for a in answers] == [200] * len(threads), [a.body for a in answers]
-    assert all(a.body["usage"]["completion_tokens"] == 400 for a in answers)
+    finish_load(clients, running, max_tokens=400)
     assert draining.popen.wait(WAIT_S) == 0
     log = draining.log_path.read_text()
     assert "disagg serve drained: 1024 of 1024 KV blocks free" in log, draining.log_tail()
@@ -127,30 +136,18 @@ def drain_under_load(cluster: Cluster, router: Proc, draining: Proc, staying: Pr
 def test_a_prefill_instance_drains_mid_handoff_in_pull_mode(cluster: Cluster) -> None:
     """Pull: requests prefilled on P wait there for D's READ. A P told to stop keeps its KV
     until every D has read it: no request is lost or answered twice, and its pool ends full."""
-    argv = ["route", "--host", HOST, "--port", "0", "--mode", "pull"]
-    router = cluster._spawn("router-pull", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
-    until(lambda: router.poll_ready() or bool(router.url), "the pull router to listen")
-    args = ["--router", router.url, "--heartbeat-s", str(HEARTBEAT_S)]
-    kv = {"connector": "pull", "transport": "tcp", "args": args}
+    router = start_router(cluster, "pull")
+    kv = {"connector": "pull", "transport": "tcp", "args": registering(router)}
     leaving = cluster.serve("p-leaving", role="prefill", **kv)
     staying = cluster.serve("p-staying", role="prefill", **kv)
     decode = cluster.serve("d-pull", role="decode", **kv)
     cluster.wait_ready(leaving, staying, decode)
     until(lambda: router.get_status("/health") == 200, "the pull router to take work")
-    answers: list[Answer] = []
-    threads = [
-        threading.Thread(target=lambda s=seed: answers.append(ask(router, s, max_tokens=200)))
-        for seed in range(40, 48)
-    ]
-    for thread in threads:
-        thread.start()
+    clients, running = start_load(router, range(40, 48), max_tokens=200)
     until(lambda: leaving.num_finished("length") + leaving.load()["num_running"] > 0,
           "work on the prefill instance that leaves")  # fmt: skip
     leaving.popen.send_signal(signal.SIGTERM)
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert [a.status for a in answers] == [200] * len(threads), [a.body for a in answers]
-    assert all(a.body["usage"]["completion_tokens"] == 200 for a in answers)
+    finish_load(clients, running, max_tokens=200)
     assert leaving.popen.wait(WAIT_S) == 0
     assert "disagg serve drained: 1024 of 1024 KV blocks free" in leaving.log_path.read_text()
     assert decode.load()["num_free_blocks"] == decode.load()["num_total_blocks"]
