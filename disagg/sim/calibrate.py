@@ -141,7 +141,7 @@ def format_profile(c: Calibration) -> str:
         f"step_overhead_s = {c.step_overhead_s + sched_fixed:.6g}",
         f"# {on}: {v.num_requests} streamed requests, one at a time, through `disagg up`",
         "# (router + 1 instance, separate processes) on a 1-layer checkpoint: median ITL",
-        f"# {v.itl_s * 1e3:.3f} ms minus that checkpoint's decode Engine.step in-process",
+        f"# {v.itl_s * 1e3:.3f} ms minus that checkpoint's decode Engine.step in a fresh process",
         f"# {v.step_s * 1e3:.3f} ms; the sim adds it to a step per sampled token",
         f"output_token_s = {v.output_token_s:.6g}",
         "",

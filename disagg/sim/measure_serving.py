@@ -7,10 +7,11 @@ Two figures come out, each the served time minus the engine's own:
   hop for a leg going out and one for its answer coming back; what it covers here is the
   client's send, the router's parse and relay, the instance's parse, the engine thread's
   wake-up, the first token's detokenize and SSE event, and the way back.
-- **per output token**: median ITL - the same checkpoint's decode `Engine.step` timed in this
-  process. The engine's thread hands each token to the event loop, which detokenizes it and
-  writes an SSE event that the router relays; in one interpreter that work and the engine loop
-  take turns, so the simulator adds it to a step per sampled token.
+- **per output token**: median ITL - the same checkpoint's decode `Engine.step` timed in a
+  fresh process, as the instance is (the calibrating process may be a long-lived one, such as a
+  test run, whose steps are slower). The engine's thread hands each token to the event loop,
+  which detokenizes it and writes an SSE event that the router relays; in one interpreter that
+  work and the engine loop take turns, so the simulator adds it to a step per sampled token.
 
 A micro-measurement of the path (a model with almost no compute), not of any workload: it
 never looks at a sweep.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -81,6 +84,12 @@ def _decode_step_s(model_dir: Path) -> float:
     return statistics.median(times)
 
 
+def _decode_step_s_in_fresh_process(model_dir: Path) -> float:
+    argv = [sys.executable, "-m", "disagg.sim.measure_serving", str(model_dir)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
+    return float(done.stdout.split()[-1])
+
+
 def _served(model_dir: Path, num_requests: int) -> dict:
     from disagg.bench.main import BenchConfig, run_benchmark
     from disagg.bench.workload import WorkloadConfig
@@ -110,7 +119,7 @@ def measure_serving(num_requests: int = 30) -> ServingFit:
     with tempfile.TemporaryDirectory(prefix="disagg-serving-") as root:
         model_dir = _tiny_checkpoint(Path(root))
         result = _served(model_dir, num_requests)
-        step_s = _decode_step_s(model_dir)
+        step_s = _decode_step_s_in_fresh_process(model_dir)
     outside = [
         ttft - b.get("queue_s", 0.0) - b.get("prefill_s", 0.0)
         for ttft, b in zip(result["ttfts"], result["breakdowns"], strict=True)
@@ -128,3 +137,7 @@ def measure_serving(num_requests: int = 30) -> ServingFit:
         itl_s=itl_s,
         step_s=step_s,
     )
+
+
+if __name__ == "__main__":  # the step timing, in a process of its own
+    print(_decode_step_s(Path(sys.argv[1])))
