@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from disagg.config import CLUSTER_TOKEN_ENV, env_cluster_token
+from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV, env_cluster_token, resolve_api_key
 from disagg.launcher_children import (
     Child,
     check_port_free,
@@ -34,7 +34,15 @@ from disagg.launcher_children import (
 )
 from disagg.launcher_config import ClusterConfig, add_arguments, config_from_args
 
-__all__ = ["Cluster", "ClusterConfig", "add_arguments", "config_from_args", "free_ports", "run"]
+__all__ = [
+    "Cluster",
+    "ClusterConfig",
+    "add_arguments",
+    "api_key_env",
+    "config_from_args",
+    "free_ports",
+    "run",
+]
 
 HEALTH_POLL_S = 0.2  # between /health probes and child liveness checks
 MAX_PORT_ATTEMPTS = 3  # a picked port can be taken between our probe and the child's bind
@@ -55,6 +63,7 @@ class Cluster:
         self._router: Child | None = None
         # One secret per cluster (or the operator's): signs every call between the children.
         self._cluster_token = cluster_token()
+        self._secret_env: dict[str, str] = {}  # the API key, read by start()
 
     @property
     def url(self) -> str:
@@ -101,6 +110,7 @@ class Cluster:
         deadline = time.monotonic() + self.config.startup_timeout_s
         if self.config.port:  # fail before loading models, and never mistake another server's
             check_port_free(self.config.host, self.config.port)  # /health for our router's
+        self._secret_env = api_key_env(self.config)
         model_dir = resolve_model_dir(self.config.model)
         self.log_dir = make_log_dir(self.config.log_dir)
         self._echo(f"disagg up: logs in {self.log_dir}")
@@ -177,6 +187,7 @@ class Cluster:
         child.num_attempts += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log tail must be current on failure
         env[CLUSTER_TOKEN_ENV] = self._cluster_token  # in the environment: `ps` shows argv
+        env.update(self._secret_env)
         with open(child.log_path, "ab") as log:  # the child keeps its own descriptor
             child.proc = subprocess.Popen(
                 child.make_command(child.port),
@@ -226,6 +237,17 @@ class Cluster:
 def cluster_token() -> str:
     """The operator's cluster secret ($DISAGG_CLUSTER_TOKEN), else a fresh one for this cluster."""
     return env_cluster_token() or secrets.token_urlsafe(32)
+
+
+def api_key_env(config: ClusterConfig) -> dict[str, str]:
+    """{$DISAGG_API_KEY: the key} for the children when the key is in a file (they inherit it
+    from our own environment otherwise). RuntimeError if the file cannot be read."""
+    if config.api_key_file is None:
+        return {}
+    try:
+        return {API_KEY_ENV: resolve_api_key("", config.api_key_file)}
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from exc
 
 
 def resolve_model_dir(model: str) -> Path:

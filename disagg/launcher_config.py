@@ -62,6 +62,9 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()  # ... for prefill instances only (after serve_args)
     decode_args: tuple[str, ...] = ()  # ... for decode (or aggregated) instances only
     log_dir: Path | None = None  # one log file per process; None = a fresh temp dir
+    # The clients' API key, for the router and every instance; None = $DISAGG_API_KEY, else
+    # open. Children get it in their environment, never on their command line.
+    api_key_file: Path | None = None
     # local: child processes of `disagg up`; ray: Ray actors (disagg/ray_backend.py)
     backend: Backend = "local"
     ray_address: str = ""  # the Ray cluster to join; "" = start a local one (ray backend)
@@ -105,8 +108,10 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(a, str) for a in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
-        if self.log_dir is not None and not isinstance(self.log_dir, Path):
-            raise ValueError(f"log_dir must be a path, got {self.log_dir!r}")
+        for name in ("log_dir", "api_key_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                raise ValueError(f"{name} must be a path, got {value!r}")
 
     @property
     def num_prefill_instances(self) -> int:
@@ -182,8 +187,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     for name in _ARGS_FIELDS:
         if isinstance(values.get(name), list):
             values[name] = tuple(values[name])
-    if isinstance(values.get("log_dir"), str):
-        values["log_dir"] = Path(values["log_dir"])
+    for name in ("log_dir", "api_key_file"):
+        if isinstance(values.get(name), str):
+            values[name] = Path(values[name])
     return values
 
 
@@ -207,7 +213,7 @@ def merge_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Cl
 _FLAG_FIELDS = (
     "mode", "num_prefill", "num_decode", "model", "port", "host", "kv_transport", "policy",
     "pull_setup", "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
-    "backend", "ray_address",
+    "backend", "ray_address", "api_key_file",
 )  # fmt: skip
 
 
@@ -250,6 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add("--config", type=Path, metavar="TOML", help="cluster file; flags given here win over it")
     add("--log-dir", type=Path, help="one log file per process (default: a fresh temp dir)")
+    add(
+        "--api-key-file", type=Path, metavar="PATH",
+        help="clients must send 'Authorization: Bearer KEY' with the key in this file, to the "
+        "router and every instance (default: $DISAGG_API_KEY, else open); the children get it "
+        "in their environment, never on a command line",
+    )  # fmt: skip
     add(
         "--backend", choices=get_args(Backend),
         help="local: child processes of this command; ray: Ray actors, restarted by Ray if "

@@ -16,7 +16,9 @@ __all__ = [
     "EngineOverloadedError",
     "FinishReason",
     "KVTransferParams",
+    "KV_RELEASE_PATH",
     "REGISTER_PATH",
+    "RequestIdInUseError",
     "RequestOutput",
     "SamplingParams",
     "TTFTBreakdown",
@@ -27,11 +29,20 @@ __all__ = [
 # heartbeats to the first, and leaves through the second (disagg.router.membership).
 REGISTER_PATH = "/internal/register"
 DEREGISTER_PATH = "/internal/deregister"
+# A pull prefill instance's side-channel route that ends a lease nobody will read. Its body's
+# request_id is the engine's id from `remote_request_id`, or the id the router sent the leg
+# under (the instance resolves it): the router releases a lease whose answer it never read.
+KV_RELEASE_PATH = "/kv/release"
 
 
 class EngineOverloadedError(RuntimeError):
     """The engine cannot take this request now (dead, or out of capacity): try again later.
     Raised by the engine side, answered 503 by the server."""
+
+
+class RequestIdInUseError(ValueError):
+    """A request under an id whose earlier request is still streaming: refused (the server
+    answers 409), never attached to the earlier one's output."""
 
 
 class FinishReason(enum.Enum):
@@ -54,7 +65,8 @@ class SamplingParams:
     top_k: int | None = None  # None = disabled
     seed: int | None = None  # per-request generator seed; None = engine's stream
     stop: tuple[str, ...] = ()  # stop strings (checked on detokenized text)
-    stop_token_ids: tuple[int, ...] = ()
+    # A set: the engine loop looks every sampled token up in it.
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS/stop ids are ignored before this many tokens
 
@@ -75,6 +87,8 @@ class SamplingParams:
             raise TypeError("stop must be a string or a list of strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids must be a list of integers")
+        if not isinstance(self.stop_token_ids, frozenset):  # a list or tuple from a caller
+            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:

@@ -233,7 +233,7 @@ def start_actor(
 
 def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:
     """`disagg up --backend ray` until SIGINT/SIGTERM; the exit code."""
-    from disagg.launcher import cluster_token, resolve_model_dir
+    from disagg.launcher import api_key_env, cluster_token, resolve_model_dir
     from disagg.launcher_children import make_log_dir
 
     model_dir = resolve_model_dir(config.model)
@@ -242,6 +242,7 @@ def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None
     address = config.ray_address or None
     cluster = RayCluster(config, model_dir, log_dir, cluster_token(), address, echo)
     try:
+        cluster.env.update(api_key_env(config))  # the actors' environment, never their argv
         url = cluster.start()
         roles = ", ".join(f"{n} {r}" for r, n in config.roles)
         echo(f"disagg up ready on {url} (backend ray, mode {config.mode}: {roles})")

@@ -75,6 +75,7 @@ def test_instances_register_with_the_router_service_and_drain_within_the_grace()
         args = parse(container["command"])
         if container["command"][1] == "route":
             assert not args.prefill and not args.decode  # membership, not a fixed list
+            assert args.advertise_url == router_url  # what registrations are signed for
             continue
         roles.add(getattr(args, "KVTransferConfig.role"))
         assert getattr(args, "ServerConfig.router_url") == router_url, name

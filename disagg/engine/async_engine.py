@@ -1,26 +1,31 @@
 """The asyncio face of an engine: one loop thread steps the engine; the HTTP side talks to it
 through a command queue (add/abort) and per-request asyncio queues (outputs).
 
-The loop thread never touches asyncio objects except through `call_soon_threadsafe`; the
-asyncio side never touches the scheduler. Implements `disagg.server.engine_client.EngineClient`.
+Each submission runs under its own engine id (caller's id + `#n`): a reused caller's id never
+reaches an old request's outputs. The loop thread never touches asyncio objects except through
+`call_soon_threadsafe`; the asyncio side never touches the scheduler. Implements `EngineClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from disagg.config import EngineConfig
 from disagg.protocol import (
+    KV_RELEASE_PATH,
     EngineOverloadedError,
     FinishReason,
     KVTransferParams,
+    RequestIdInUseError,
     RequestOutput,
     SamplingParams,
 )
@@ -55,7 +60,12 @@ class AsyncEngine:
         self.model_name = config.model_name
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # engine id -> open stream
+        # Caller's id -> engine id of its latest submission, while the engine may hold it (also
+        # after its stream ended: a lease a peer may read). Asyncio side only.
+        self._engine_ids: dict[str, str] = {}
+        self._num_submitted = itertools.count(1)
+        self._held: set[str] = set()  # loop thread: engine ids added, not yet seen released
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -104,24 +114,29 @@ class AsyncEngine:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self._validate(request_id, prompt_token_ids, sampling, kv_transfer_params)
+        engine_id = f"{request_id}#{next(self._num_submitted)}"
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = outputs
+        self._queues[engine_id] = outputs
+        self._engine_ids[request_id] = engine_id
         # Stamped here, not when the loop thread drains the command after its current step.
         submitted_s = time.monotonic()
-        self._send("add", (request_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
+        self._send("add", (engine_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
         finished = False
         try:
             while not finished:
                 output = await outputs.get()
                 finished = output.is_finished
-                yield output
+                yield dataclasses.replace(output, request_id=request_id)
         finally:
-            self._queues.pop(request_id, None)
+            self._queues.pop(engine_id, None)
             if not finished:
-                self._send("abort", request_id)  # the caller went away mid-request
+                self._send("abort", engine_id)  # the caller went away mid-request
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        """Abort the latest submission under the caller's id (an unknown id is a no-op)."""
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._send("abort", engine_id)
 
     def load(self) -> dict[str, int]:
         return dict(self._load)
@@ -149,9 +164,31 @@ class AsyncEngine:
             connector.set_address(host, port)
 
     def side_channel(self) -> dict[str, Any]:
-        """The connector's KV side-channel handlers (path -> handler), for the server."""
+        """The connector's KV side-channel handlers (path -> handler), for the server. A
+        release may name the caller's id (the router's, when it never read our answer): it
+        reaches the connector as the engine id."""
         connector = self.engine.kv_worker if self.engine is not None else None
-        return connector.side_channel() if connector is not None else {}
+        handlers = dict(connector.side_channel()) if connector is not None else {}
+        if KV_RELEASE_PATH in handlers:
+            handlers[KV_RELEASE_PATH] = self._resolving(handlers[KV_RELEASE_PATH])
+        return handlers
+
+    def _resolving(self, handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
+        async def resolved(body: dict[str, Any]) -> Any:
+            request_id = body.get("request_id")
+            if isinstance(request_id, str):
+                body = {**body, "request_id": self._engine_id_of(request_id)}
+            return await handler(body)
+
+        return resolved
+
+    def _engine_id_of(self, request_id: str) -> str:
+        """An engine id we handed out stays itself; a caller's id becomes its latest
+        submission's engine id; anything else is passed on unchanged."""
+        caller_id = request_id.rpartition("#")[0]
+        if caller_id and self._engine_ids.get(caller_id) == request_id:
+            return request_id
+        return self._engine_ids.get(request_id, request_id)
 
     def _validate(
         self,
@@ -162,8 +199,10 @@ class AsyncEngine:
     ) -> None:
         if self._dead is not None:
             raise EngineOverloadedError(f"engine is dead: {self._dead}")
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._engine_ids.get(request_id) in self._queues:
+            raise RequestIdInUseError(
+                f"request id {request_id!r} is in use by a request still running"
+            )
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -211,6 +250,7 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._load = self.engine.scheduler.load()
+                self._forget_released()
                 if outputs:
                     self._publish(outputs)
                 elif not self.engine.scheduler.has_unfinished:
@@ -251,19 +291,42 @@ class AsyncEngine:
                 self.engine.abort(payload)
         if outputs := self.engine.take_outputs():
             self._publish(outputs)  # an abort's final output: the stream ends now
+        self._forget_released()
+
+    def _forget_released(self) -> None:
+        """Engine ids the engine no longer holds (no request, no blocks draining) stop being
+        what a caller's id resolves to. Every request the scheduler holds came through _add,
+        so while it holds as many as we added, none was released and there is nothing to scan."""
+        scheduler = self.engine.scheduler
+        if len(self._held) <= len(scheduler.requests):
+            return
+        gone = {
+            e for e in self._held if e not in scheduler.requests and e not in scheduler.draining
+        }
+        if gone:
+            self._held -= gone
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._forget, gone)
+
+    def _forget(self, engine_ids: set[str]) -> None:
+        for engine_id in engine_ids:
+            caller_id = engine_id.rpartition("#")[0]
+            if self._engine_ids.get(caller_id) == engine_id:  # not resubmitted since
+                del self._engine_ids[caller_id]
 
     def _add(
         self,
-        request_id: str,
+        engine_id: str,
         prompt: list[int],
         sampling: SamplingParams,
         params: Any,
         submitted_s: float,
     ) -> None:
+        self._held.add(engine_id)  # a refused one is forgotten at the next scan
         try:
-            self.engine.add_request(request_id, prompt, sampling, params, arrival_s=submitted_s)
+            self.engine.add_request(engine_id, prompt, sampling, params, arrival_s=submitted_s)
         except ValueError as exc:
-            error = RequestOutput(request_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
+            error = RequestOutput(engine_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
             self._publish([error])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

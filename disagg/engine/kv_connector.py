@@ -63,10 +63,14 @@ class KVConnectorMeta:
     # Requests that left a KV state early (abort, failure, recompute). For each, the worker
     # reports the id in `settled` once no transfer can touch its blocks (at once if none can).
     aborts: list[str] = field(default_factory=list)
+    # Decode side: the router's params of requests that ended before their receive was set up
+    # (aborted while waiting for blocks or a seat): no transfer will come for what the prefill
+    # side holds, and the worker may tell it so. Nothing here holds blocks of ours.
+    dropped: list[KVTransferParams] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.receives or self.sends or self.aborts)
+        return not (self.receives or self.sends or self.aborts or self.dropped)
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -95,8 +99,12 @@ class KVConnectorScheduler(abc.ABC):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """A prefill finished. (keep_blocks, params): keep means WAITING_FOR_KV_SEND until
-        the worker reports it in finished_sending; params go back as kv_transfer_params."""
+        the worker reports it in finished_sending; params go back as kv_transfer_params.
+        Decode side, also called for a request that finished before its receive began."""
         params = request.kv_transfer_params
+        if params is not None and params.do_remote_prefill and request.needs_remote_kv:
+            self._meta.dropped.append(params)  # never received: aborted while it waited
+            return False, None
         if params is None or not params.do_remote_decode or not self.accepts(params):
             return False, None
         if request.finish_status in _NOT_SENT:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, limit_native_caches
 from disagg.engine.checkpoint import ModelSpec, load_weights
 from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
 from disagg.engine.linear import packable
@@ -59,6 +59,7 @@ class _StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        limit_native_caches()  # before the first oneDNN call (packable() makes one)
         self.config = config
         self.device = torch.device(config.device)
         self.spec = ModelSpec.from_dir(model_dir)

@@ -59,6 +59,10 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p (the top token always stays)."""
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    is_dropped = mass_before >= top_p
+    # Kept by index, not by the comparison: a top_p below float32's range (1e-300) rounds to 0
+    # there, and 0 >= 0 would drop the top token too, leaving nothing to sample.
+    is_dropped[..., 0] = False
+    sorted_probs = sorted_probs.masked_fill(is_dropped, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,6 +27,7 @@ from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
 from disagg.kv.transport import TransportError, make_transport, resolve_kind
+from disagg.tls import client_context, scheme
 
 __all__ = [
     "ConnectorBase",
@@ -66,18 +67,27 @@ class HandshakeError(RuntimeError):
 
 
 def post_json(
-    url: str, body: dict[str, Any], timeout_s: float = 10.0, *, secret: str = ""
+    url: str,
+    body: dict[str, Any],
+    timeout_s: float = 10.0,
+    *,
+    secret: str = "",
+    context: ssl.SSLContext | None = None,
 ) -> dict[str, Any]:
-    """Blocking JSON POST for background threads, signed with the cluster secret; the answer
-    must be signed by the peer too. Raises HandshakeError with the peer's reason."""
+    """Blocking JSON POST for background threads, signed with the cluster secret for `url`
+    (the peer accepts it there, once); the answer must be signed by the peer for this very
+    call. `context` verifies an https peer (internal TLS). Raises HandshakeError with the
+    peer's reason."""
     data = json.dumps(body).encode()
-    path = urllib.parse.urlsplit(url).path
-    headers = auth.json_headers(secret, path, data)
+    headers = {"Content-Type": "application/json"}
+    signature = auth.sign(secret, "POST", url, data) if secret else None
+    if signature is not None:
+        headers[auth.SIGNATURE_HEADER] = signature.header
     req = urllib.request.Request(url, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            raw = resp.read()
-            signature = resp.headers.get(auth.SIGNATURE_HEADER)
+        with urllib.request.urlopen(req, timeout=timeout_s, context=context) as resp:
+            raw, status = resp.read(), resp.status
+            answer_signature = resp.headers.get(auth.SIGNATURE_HEADER)
     except urllib.error.HTTPError as exc:
         try:
             reason = json.loads(exc.read())["error"]["message"]
@@ -86,8 +96,11 @@ def post_json(
         raise HandshakeError(reason) from exc
     except (OSError, ValueError) as exc:
         raise HandshakeError(f"{url} unreachable: {exc}") from exc
-    if secret and (problem := auth.verify(secret, signature, auth.ANSWER, path, raw)):
-        raise HandshakeError(f"{url} answered without the cluster's signature: {problem}")
+    if signature is not None:
+        try:
+            auth.check_answer(secret, answer_signature, signature.nonce, status, raw)
+        except auth.SignatureError as exc:
+            raise HandshakeError(f"{url} answered without the cluster's signature: {exc}") from exc
     try:
         return json.loads(raw)
     except ValueError as exc:
@@ -113,6 +126,7 @@ class ConnectorBase(KVConnectorWorker):
         self.identity = KVIdentity(kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}", kv.host)
         self._wake = wake or (lambda: None)
         self.secret = kv.cluster_token  # signs the side channel; authenticates tcp peers
+        self.side_tls = client_context(kv.tls_ca_file)  # None: peers' side channels are http
         self.transport_kind = resolve_kind(kv.transport)  # "auto" becomes what this host has
         self.transport = make_transport(
             self.transport_kind,
@@ -161,6 +175,11 @@ class ConnectorBase(KVConnectorWorker):
     def port(self) -> int | None:
         return self.identity.port
 
+    def side_url(self, host: str, port: int) -> str:
+        """A peer's side channel: its HTTP port, over TLS when the cluster runs it."""
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return f"{scheme(self.side_tls is not None)}://{netloc}"
+
     def set_address(self, host: str, port: int) -> None:
         self.identity.port = port
 
@@ -175,7 +194,7 @@ class ConnectorBase(KVConnectorWorker):
             "block_size": self.block_size,
             "model": self.config.model_name,
             "compat": self.compat.to_dict(),
-            "stats": dict(self.stats),
+            "stats": {**self.stats, "connections_refused": self.transport.num_refused_connections},
         }
 
     def side_channel(self) -> dict[str, SideHandler]:
@@ -224,7 +243,8 @@ class ConnectorBase(KVConnectorWorker):
 
     def _handshake(self, engine_id: str, host: str, port: int) -> str:
         started = time.monotonic()
-        answer = post_json(f"http://{host}:{port}/kv/handshake", self._hello(), secret=self.secret)
+        url = f"{self.side_url(host, port)}/kv/handshake"
+        answer = post_json(url, self._hello(), secret=self.secret, context=self.side_tls)
         if answer.get("engine_id") != engine_id:
             raise HandshakeError(
                 f"{host}:{port} is engine {answer.get('engine_id')!r}, not {engine_id!r} "

@@ -4,9 +4,11 @@
 their ids and our address; a decode request's reserved blocks become a receive for the worker.
 `PullWorker` (transport, threads, side channel):
 - prefill side: holds each sent prefill's blocks under a lease and frees them on the decode
-  side's `read_done` (it rides on the READ), on its `/kv/release` (no READ will come, or it
-  ended), or when the lease expires. An abort does not end the lease: NIXL reads are
-  one-sided, so a READ may be under way whatever P decides.
+  side's `read_done` (it rides on the READ), on a `/kv/release` (from D: no READ will come, or
+  it ended; from the router: it never handed our answer to a decode instance), or when the
+  lease expires. An abort does not end the lease: NIXL reads are one-sided, so a READ may be
+  under way whatever P decides. A release that arrives before its lease is kept for a lease's
+  length and ends the lease as it is made.
 - decode side (pull_reader.py): handshake with P in the background on first contact, then
   build descriptors, post the READ and poll it — with `--pull-setup inline` on the engine loop
   (vLLM's pull: the tax the published comparison measures), with `background` (the default) on
@@ -33,6 +35,7 @@ from disagg.kv.common import (
     post_json,
 )
 from disagg.kv.pull_reader import Load, PullReader
+from disagg.protocol import KV_RELEASE_PATH, KVTransferParams
 
 __all__ = ["PullScheduler", "PullWorker"]
 
@@ -82,6 +85,10 @@ class PullWorker(ConnectorBase):
         # Prefill side: request id -> lease. D may READ the blocks at any time until the lease
         # ends (read_done or expiry), even after we aborted the request: one-sided reads.
         self._leases: dict[str, _Lease] = {}
+        # Prefill side: request id -> monotonic deadline of a release that found no lease. The
+        # router releases when its client leaves mid P leg, maybe while our loop is still in
+        # the step that finishes the prefill: the lease made then must end at once.
+        self._early_releases: dict[str, float] = {}
         super().__init__(*args, **kwargs)
         is_background = self.kv_config.pull_setup == "background"
         self._reader = PullReader(self, is_background=is_background, stopping=self._stopping)
@@ -105,6 +112,8 @@ class PullWorker(ConnectorBase):
             load.add_loop_time((time.perf_counter() - started) / len(loads))
         for request_id in meta.aborts:
             self._abort(request_id)
+        for params in meta.dropped:
+            self._release_dropped(params)
         if not self.reader.is_background:
             self.reader.step()
 
@@ -118,6 +127,9 @@ class PullWorker(ConnectorBase):
         deadline = time.monotonic() + self.kv_config.lease_s
         with self._lock:
             self._leases[send.request_id] = _Lease(send.block_ids, deadline)
+            is_released = self._early_releases.pop(send.request_id, None) is not None
+        if is_released:
+            self._end_lease(send.request_id)
 
     def _load_for(self, receive: KVReceive) -> Load:
         params = receive.params
@@ -127,7 +139,7 @@ class PullWorker(ConnectorBase):
         if problem is None:
             assert params.remote_engine_id and params.remote_host and params.remote_port
             peer = self.ensure_peer(params.remote_engine_id, params.remote_host, params.remote_port)
-            prefill_url: str | None = f"http://{params.remote_host}:{params.remote_port}"
+            prefill_url: str | None = self.side_url(params.remote_host, params.remote_port)
         else:
             peer.set_exception(ValueError(problem))
             prefill_url = None
@@ -182,9 +194,16 @@ class PullWorker(ConnectorBase):
         url, body = f"{load.prefill_url}/kv/release", {"request_id": load.remote_request_id}
         self.calls.submit(self._post_quietly, url, body)
 
+    def _release_dropped(self, params: KVTransferParams) -> None:
+        """Decode side: the request ended before its READ was set up (aborted while it waited
+        for blocks or a seat), so P may free its lease now rather than when it expires."""
+        if params.remote_host and params.remote_port and params.remote_request_id:
+            url = f"http://{params.remote_host}:{params.remote_port}{KV_RELEASE_PATH}"
+            self.calls.submit(self._post_quietly, url, {"request_id": params.remote_request_id})
+
     def _post_quietly(self, url: str, body: dict[str, Any]) -> None:
         try:
-            post_json(url, body, timeout_s=5.0, secret=self.secret)
+            post_json(url, body, timeout_s=5.0, secret=self.secret, context=self.side_tls)
         except HandshakeError as exc:  # P gone: its lease covers what this would have freed
             log.info("release at %s not delivered: %s", url, exc)
 
@@ -193,6 +212,8 @@ class PullWorker(ConnectorBase):
     def _expire_leases(self, now: float) -> None:
         with self._lock:
             expired = [rid for rid, lease in self._leases.items() if lease.deadline < now]
+            for request_id in [r for r, s in self._early_releases.items() if s < now]:
+                del self._early_releases[request_id]  # its lease never came: nothing to end
         for request_id in expired:
             self.stats["expired_leases"] += 1
             self._end_lease(request_id)
@@ -229,7 +250,7 @@ class PullWorker(ConnectorBase):
     # ------------------------------------------------------------------ side channel, listener
 
     def side_channel(self) -> dict[str, SideHandler]:
-        return {**super().side_channel(), "/kv/release": self._handle_release}
+        return {**super().side_channel(), KV_RELEASE_PATH: self._handle_release}
 
     async def _handle_release(self, body: dict[str, Any]) -> dict[str, Any]:
         """Prefill side: a decode instance will not read (or has stopped reading) a lease."""
@@ -237,6 +258,9 @@ class PullWorker(ConnectorBase):
             request_id = str(body["request_id"])
         except (KeyError, TypeError) as exc:
             raise SideChannelError(400, f"bad release: {exc}") from exc
+        with self._lock:
+            if request_id not in self._leases:  # not made yet, or over: kept for a lease's length
+                self._early_releases[request_id] = time.monotonic() + self.kv_config.lease_s
         self._end_lease(request_id)
         return {"request_id": request_id}
 

@@ -114,7 +114,7 @@ class PushWorker(ConnectorBase):
             request_id=receive.request_id,
             transfer_id=tid,
             local_ids=list(receive.block_ids),
-            prefill_url=f"http://{host}:{port}",
+            prefill_url=self.side_url(host, port),
             deadline=time.monotonic() + self.kv_config.reservation_timeout_s,
         )
         with self._lock:
@@ -153,6 +153,7 @@ class PushWorker(ConnectorBase):
                     "ttl_s": self.kv_config.reservation_timeout_s,
                 },
                 secret=self.secret,
+                context=self.side_tls,
             )
         except HandshakeError as exc:
             # P may have taken the registration before the answer was lost, so a write may
@@ -228,6 +229,7 @@ class PushWorker(ConnectorBase):
                 {"transfer_id": reservation.transfer_id},
                 timeout_s=self.kv_config.transfer_timeout_s + 5,
                 secret=self.secret,
+                context=self.side_tls,
             )
         except HandshakeError:
             pass  # P is gone (nothing can land) or refused: either way no write will come

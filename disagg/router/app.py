@@ -1,9 +1,10 @@
 """The router's HTTP app: parse a client request, ask the policy, proxy the legs, stream back.
 
-Owns the three request flows (aggregated, pull, push) and aborting the other leg when one fails;
-call.py shapes the legs' bodies, metrics.py holds the counters. Must not rank instances
-(policy.py) nor poll them (instances.py), and never buffers a stream: SSE events are relayed as
-they arrive.
+Owns the three request flows (aggregated, pull, push), aborting the other leg when one fails,
+releasing a pull lease no decode instance will read, and resending legs that never reached their
+instance; call.py shapes the legs' bodies, admission.py / retry.py / breaker.py hold the limits,
+metrics.py the counters. Must not rank instances (policy.py) nor poll them (instances.py), and
+never buffers a stream: SSE events are relayed as they arrive.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -23,9 +27,18 @@ from prometheus_client import (
 )
 
 from disagg import auth
-from disagg.config import RouterConfig
+from disagg.config import HEADER_TIMEOUT_S, RouterConfig
+from disagg.http_guard import GuardedRunner, body_deadline_middleware
+from disagg.protocol import KV_RELEASE_PATH
+from disagg.router.admission import Admission
 from disagg.router.call import Call, kv_params, parse_call, prefill_body, push_params
-from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool, KVInfo
+from disagg.router.instances import (
+    LATE_BINDING_TIMEOUT_S,
+    Instance,
+    InstancePool,
+    KVInfo,
+    PoolName,
+)
 from disagg.router.membership import add_membership_routes
 from disagg.router.metrics import RouterMetrics
 from disagg.router.middleware import api_key_middleware, error_middleware
@@ -37,9 +50,12 @@ from disagg.router.relay import (
     Relayed,
     RouteError,
     breakdown_of,
+    error_object,
     read_all,
     relay,
 )
+from disagg.router.retry import RetryBudget
+from disagg.tls import client_context
 
 __all__ = ["Router", "make_app", "start_server"]
 
@@ -48,6 +64,19 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 ABORT_TIMEOUT_S = 2.0
 PREFILL_ANSWER_GRACE_S = 2.0  # push: D is done; how long its final chunk waits for P's breakdown
+# Answers that say the instance failed, not the request: they count against its circuit breaker.
+_INSTANCE_FAILURES = frozenset({502, 503, 504})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Handoff:
+    """Pull: P's answer on its way to a decode instance."""
+
+    prefill: Instance  # holds the prompt's blocks under a lease
+    lease_id: str  # P's name for the lease (remote_request_id), what /kv/release takes
+    body: dict[str, Any]  # D's leg: the client's body with P's kv_transfer_params
 
 
 class Router:
@@ -57,6 +86,14 @@ class Router:
         self.cfg = cfg
         self.pool = InstancePool(cfg)
         self.metrics = RouterMetrics()
+        self.admission = Admission(
+            cfg.max_concurrent_requests,
+            cfg.max_queued_requests,
+            cfg.queue_timeout_s,
+            on_refused=lambda reason: self.metrics.admission_refused.labels(reason).inc(),
+        )
+        self.metrics.in_flight.set_function(lambda: self.admission.num_in_flight)
+        self.metrics.queued.set_function(lambda: self.admission.num_queued)
         self._session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -69,7 +106,9 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=self.cfg.request_timeout_s, sock_connect=CONNECT_TIMEOUT_S
         )
-        connector = aiohttp.TCPConnector(limit=0)  # the instances, not the router, set concurrency
+        # No limit: the instances, not the router, set concurrency. An https instance's
+        # certificate must chain to the internal CA when one is configured (disagg.tls).
+        connector = aiohttp.TCPConnector(limit=0, ssl=client_context(self.cfg.tls_ca_file) or True)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         await self.pool.start(self._session)
 
@@ -92,7 +131,7 @@ class Router:
     async def _generate(self, request: web.Request, id_prefix: str) -> web.StreamResponse:
         status, request_id = 500, f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            call = await parse_call(request, request_id)
+            call = await parse_call(request, request_id, self.cfg.max_prompt_chars or None)
             relayed = await self._dispatch(call)
             status = relayed.status
             return relayed.response
@@ -106,23 +145,31 @@ class Router:
             self.metrics.requests.labels(self.cfg.mode, str(status)).inc()
 
     async def _dispatch(self, call: Call) -> Relayed:
-        try:
+        """The request's flow, once admitted (it holds its slot until relayed); under policy
+        recompute a failed prefill leg becomes a whole request to a decode instance."""
+        async with self.admission.slot():
+            retries = RetryBudget.of(self.cfg)
             try:
-                if self.cfg.mode == "pull":
-                    return await self._pull(call)
-                if self.cfg.mode == "push":
-                    return await self._push(call)
-                return await self._aggregated(call)
-            except RouteError as exc:
-                if not self._should_recompute(exc):
-                    raise
-                return await self._recompute_on_decode(call, exc)
-        except NoHealthyInstanceError as exc:
-            raise RouteError.of(503, str(exc)) from exc
+                try:
+                    return await self._flow(call, retries)
+                except RouteError as exc:
+                    if not self._should_recompute(exc):
+                        raise
+                    return await self._recompute_on_decode(call, exc, retries)
+            except NoHealthyInstanceError as exc:
+                raise RouteError.of(503, str(exc)) from exc
+
+    async def _flow(self, call: Call, retries: RetryBudget) -> Relayed:
+        if self.cfg.mode == "pull":
+            return await self._pull(call, retries)
+        if self.cfg.mode == "push":
+            return await self._push(call, retries)
+        return await self._aggregated(call, retries)
 
     def _should_recompute(self, exc: RouteError) -> bool:
         """Policy `recompute`: a prefill instance that died or hung (5xx, nothing streamed yet)
-        costs the client its disaggregation, not its answer. A 4xx is the request's fault."""
+        costs the client its disaggregation, not its answer, and so does having no healthy
+        prefill instance at all. A 4xx is the request's fault."""
         return (
             self.cfg.failure_policy == "recompute"
             and self.cfg.mode != "aggregated"
@@ -130,17 +177,20 @@ class Router:
             and exc.status >= 500
         )
 
-    async def _recompute_on_decode(self, call: Call, cause: RouteError) -> Relayed:
+    async def _recompute_on_decode(
+        self, call: Call, cause: RouteError, retries: RetryBudget
+    ) -> Relayed:
         """The whole request to a decode instance, which prefills it itself. A fresh id: the
         abandoned legs' ids may still be held while their aborts land."""
         logger.warning("request %s: prefill leg failed (%s); prefilling on a decode instance",
                        call.request_id, cause)  # fmt: skip
         self.metrics.recomputed.inc()
-        retry = call.retry(f"{call.request_id}-local")
-        inst = self.pool.pick("decode")
+        local = call.retry(f"{call.request_id}-local")
         started_s = time.monotonic()
-        resp = await self._post(inst, retry, retry.body, "decode")
-        return await self._respond(retry, resp, "decode", started_s, None)
+        _, resp = await self._retrying(
+            local, "decode", retries, lambda inst: self._send(inst, local, local.body, "decode")
+        )
+        return await self._respond(local, resp, "decode", started_s, None)
 
     async def models(self, _request: web.Request) -> web.Response:
         for inst in [*self.pool.decode, *self.pool.prefill]:
@@ -170,49 +220,126 @@ class Router:
 
     # ---- flows ----------------------------------------------------------------------------
 
-    async def _aggregated(self, call: Call) -> Relayed:
-        inst = self.pool.pick("decode")
+    async def _aggregated(self, call: Call, retries: RetryBudget) -> Relayed:
         started_s = time.monotonic()
-        resp = await self._post(inst, call, call.body, "aggregated")
+        _, resp = await self._retrying(
+            call, "decode", retries, lambda inst: self._send(inst, call, call.body, "aggregated")
+        )
         return await self._respond(call, resp, "aggregated", started_s, None)
 
-    async def _pull(self, call: Call) -> Relayed:
-        """P first; D is chosen only once P is done, from load read now (late binding)."""
+    async def _pull(self, call: Call, retries: RetryBudget) -> Relayed:
+        """P first; D is chosen only once P is done, from load read now (late binding).
+
+        P's lease on the prompt's blocks is released (with an abort) as soon as no decode
+        instance can read it: while D's leg is not out yet (client gone, P failed), and when D
+        never got the leg or refused it (4xx). Once D may be reading, P is only aborted: D's
+        read_done, D's own release or the lease's end frees the blocks."""
         if not self.pool.has_healthy("decode"):
             # Prefilling now would hold P's blocks for a handoff nobody can take.
             raise NoHealthyInstanceError("no healthy decode instance")
-        prefill = self.pool.pick("prefill")
-        params = kv_params(do_remote_decode=True, connector="pull")
-        answer = await self._prefill(prefill, call, params)
-        d_params = answer.get("kv_transfer_params")
-        if not isinstance(d_params, dict) or not d_params:
-            # Without them D would silently prefill again: fail loudly instead.
-            raise RouteError.of(502, "prefill answer has no kv_transfer_params", leg="prefill")
-        if self.pool.uses_load:
-            await self.pool.refresh_load(self.pool.decode, LATE_BINDING_TIMEOUT_S)
-        decode = self.pool.pick("decode")
-        p_breakdown = breakdown_of(answer)
-        relayed: Relayed | None = None
-        is_unread = False  # True once D surely never started a READ of P's blocks
+        prefill, answer = await self._retrying(
+            call, "prefill", retries, lambda inst: self._pull_prefill(inst, call)
+        )
+        d_params = answer["kv_transfer_params"]
+        handoff = _Handoff(
+            prefill=prefill,
+            lease_id=str(d_params.get("remote_request_id") or call.request_id),
+            body=call.body_with({**d_params, "connector": "pull"}),
+        )
+        started_s = time.monotonic()
+        resp = await self._send_handoff(call, handoff, retries)
+        p_breakdown = _constant(breakdown_of(answer))
         try:
-            started_s = time.monotonic()
-            body = call.body_with({**d_params, "connector": "pull"})
-            resp = await self._post(decode, call, body)
-            relayed = await self._respond(call, resp, "decode", started_s, _constant(p_breakdown))
-            return relayed
-        except RouteError as exc:
-            # D never got it, or answered 4xx: only for a request its engine never took.
-            is_unread = exc.unsent or (exc.leg == "decode" and 400 <= exc.status < 500)
+            relayed = await self._respond(call, resp, "decode", started_s, p_breakdown)
+        except RouteError as exc:  # D answered 4xx: only for a request its engine never took
+            self._end_handoff(call, handoff, is_unread=400 <= exc.status < 500)
             raise
-        finally:
-            if relayed is None or relayed.status >= 400:
-                self._abort(prefill, call.request_id)  # free P's held blocks before the lease does
-                if is_unread:  # P keeps a lease past an abort (reads are one-sided) unless told
-                    self._release(prefill, str(d_params.get("remote_request_id")))
+        except asyncio.CancelledError:
+            self._end_handoff(call, handoff, is_unread=False)
+            raise
+        if relayed.status >= 400:  # the client left, or D failed mid-stream
+            self._end_handoff(call, handoff, is_unread=False)
+        return relayed
 
-    async def _push(self, call: Call) -> Relayed:
+    async def _pull_prefill(self, inst: Instance, call: Call) -> dict[str, Any]:
+        """Pull's P leg, to an answer carrying the kv_transfer_params D needs. Ending without
+        them in hand (client gone, P failed or sent none), P may still have finished and leased
+        blocks nobody will read: it is aborted, and released under the id we sent it (which P
+        resolves to its own)."""
+        params = kv_params(do_remote_decode=True, connector="pull")
+        try:
+            answer = await self._prefill(inst, call, params)
+            d_params = answer.get("kv_transfer_params")
+            if not isinstance(d_params, dict) or not d_params:
+                # Without them D would silently prefill again: fail loudly instead.
+                raise RouteError.of(502, "prefill answer has no kv_transfer_params", leg="prefill")
+        except (RouteError, asyncio.CancelledError) as exc:
+            is_refused = isinstance(exc, RouteError) and (exc.unsent or 400 <= exc.status < 500)
+            if not is_refused:  # unsent, or refused with a 4xx: P took nothing
+                self._abort(inst, call.request_id)
+                self._release(inst, call.request_id)
+            raise
+        return answer
+
+    async def _send_handoff(
+        self, call: Call, handoff: _Handoff, retries: RetryBudget
+    ) -> aiohttp.ClientResponse:
+        """D's leg, to its response headers; one that never reached its instance goes to
+        another pick while the budget lasts. Ending here, P's lease is released unless D may
+        have the leg (then only P is aborted)."""
+        wait_s = 0.0
+        while True:
+            decode = await self._bind_decode(call, handoff, wait_s)
+            try:
+                return await self._send(decode, call, handoff.body, "decode")
+            except RouteError as exc:
+                wait_s = self._retry_wait(call, exc, retries)
+                if wait_s is None:
+                    self._end_handoff(call, handoff, is_unread=exc.unsent)
+                    raise
+            except asyncio.CancelledError:
+                self._end_handoff(call, handoff, is_unread=False)  # D may have it
+                raise
+
+    async def _bind_decode(self, call: Call, handoff: _Handoff, wait_s: float) -> Instance:
+        """After `wait_s` (a retry's backoff), D picked from load read now. Nothing has
+        reached a decode instance yet, so whatever ends the request here (client gone, no
+        healthy instance) releases P's lease."""
+        try:
+            await asyncio.sleep(wait_s)
+            if self.pool.uses_load:
+                await self.pool.refresh_load(self.pool.decode, LATE_BINDING_TIMEOUT_S)
+            return self.pool.pick("decode")
+        except BaseException:
+            self._end_handoff(call, handoff, is_unread=True)
+            raise
+
+    def _end_handoff(self, call: Call, handoff: _Handoff, *, is_unread: bool) -> None:
+        """Pull: abort P's request (its blocks go before the lease would let them), and when
+        no decode instance read P's answer, release the lease too: an abort alone keeps it,
+        since reads are one-sided."""
+        self._abort(handoff.prefill, call.request_id)
+        if is_unread:
+            self._release(handoff.prefill, handoff.lease_id)
+
+    async def _push(self, call: Call, retries: RetryBudget) -> Relayed:
+        """One pair at a time. A leg that never reached its instance fails the pair (P and D
+        name each other): the pair is formed anew from fresh picks, under a fresh transfer id
+        and a fresh request id (the first pair's legs are aborted under theirs)."""
+        attempt = call
+        while True:
+            try:
+                return await self._push_pair(attempt)
+            except RouteError as exc:
+                wait_s = self._retry_wait(call, exc, retries)
+                if wait_s is None:
+                    raise
+            await asyncio.sleep(wait_s)
+            attempt = call.retry(f"{call.request_id}-retry{retries.num_retries}")
+
+    async def _push_pair(self, call: Call) -> Relayed:
         """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
-        prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
+        prefill, decode = self._pick("prefill"), self.pool.pick("decode")
         info = await self._kv_identity(prefill, "prefill")
         d_info = await self._kv_identity(decode, "decode")
         assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable
@@ -221,7 +348,7 @@ class Router:
         )
         started_s = time.monotonic()
         p_task = asyncio.create_task(self._prefill(prefill, call, p_params))
-        d_task = asyncio.create_task(self._post(decode, call, call.body_with(d_params)))
+        d_task = asyncio.create_task(self._send(decode, call, call.body_with(d_params), "decode"))
         relayed: Relayed | None = None
         error: RouteError | None = None
         try:
@@ -293,7 +420,11 @@ class Router:
         try:
             info = await self.pool.get_kv_info(inst)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise RouteError.of(502, f"no kv_info from {inst.url}: {exc!r}", leg=leg) from exc
+            error = RouteError.of(502, f"no kv_info from {inst.url}: {exc!r}", leg=leg)
+            if isinstance(exc, aiohttp.ClientConnectorError):  # gone: no leg was sent yet
+                self.pool.mark_unhealthy(inst, repr(exc))
+                error.unsent = True
+            raise error from exc
         if not info.is_addressable:
             raise RouteError.of(502, f"{inst.url} has no KV address for push", leg=leg)
         return info
@@ -301,7 +432,7 @@ class Router:
     async def _prefill(self, inst: Instance, call: Call, params: dict[str, Any]) -> dict[str, Any]:
         """The P leg, to its JSON answer. Raises RouteError(leg="prefill") on any failure."""
         started_s = time.monotonic()
-        resp = await self._post(inst, call, prefill_body(call.body, params), "prefill")
+        resp = await self._send(inst, call, prefill_body(call.body, params), "prefill")
         try:
             body = await read_all(resp, "prefill")
         finally:
@@ -317,13 +448,77 @@ class Router:
             raise RouteError.of(502, f"prefill instance {inst.url} sent no JSON", leg="prefill")
         return answer
 
+    def _pick(self, pool: PoolName) -> Instance:
+        """The policy's choice. No healthy prefill instance is the prefill leg's failure (503),
+        which policy recompute answers on a decode instance like any other."""
+        if pool == "decode":
+            return self.pool.pick("decode")
+        try:
+            return self.pool.pick("prefill")
+        except NoHealthyInstanceError as exc:
+            raise RouteError.of(503, str(exc), leg="prefill") from exc
+
+    async def _retrying(
+        self,
+        call: Call,
+        pool: PoolName,
+        retries: RetryBudget,
+        send: Callable[[Instance], Awaitable[T]],
+    ) -> tuple[Instance, T]:
+        """`send` the leg to the policy's pick from `pool`. A leg that never reached its
+        instance (so nothing of it went to the client) goes to another pick after a backoff,
+        while the request's budget lasts and some other instance is healthy."""
+        inst = self._pick(pool)
+        while True:
+            try:
+                return inst, await send(inst)
+            except RouteError as exc:
+                wait_s = self._retry_wait(call, exc, retries)
+                if wait_s is None:
+                    raise
+            await asyncio.sleep(wait_s)
+            inst = self._pick(pool)
+
+    def _retry_wait(self, call: Call, exc: RouteError, retries: RetryBudget) -> float | None:
+        """The backoff before resending the failed leg, or None when it must not be: it
+        reached its instance, the budget is spent, or no other instance is left to try."""
+        leg = exc.leg or "decode"
+        if not exc.unsent or not self.pool.has_healthy("prefill" if leg == "prefill" else "decode"):
+            return None
+        wait_s = retries.take()
+        if wait_s is not None:
+            self.metrics.retries.labels(leg).inc()
+            logger.warning("request %s: the %s leg never reached its instance; resent in %.3gs",
+                           call.request_id, leg, wait_s)  # fmt: skip
+        return wait_s
+
+    async def _send(
+        self, inst: Instance, call: Call, body: dict[str, Any], leg: Leg
+    ) -> aiohttp.ClientResponse:
+        """`_post`, and the outcome for the instance's circuit breaker: served if its headers
+        came with any status but 502/503/504; failed if those, or no answer at all."""
+        try:
+            resp = await self._post(inst, call, body, leg)
+        except RouteError as exc:
+            self._note_failed(inst, str(exc))
+            raise
+        if resp.status in _INSTANCE_FAILURES:
+            self._note_failed(inst, f"answered {resp.status}")
+        else:
+            self.pool.note_served(inst)
+        return resp
+
+    def _note_failed(self, inst: Instance, reason: str) -> None:
+        if self.pool.note_failed(inst, reason):
+            self.metrics.breaker_opened.labels(inst.role, inst.url).inc()
+
     async def _post(
         self, inst: Instance, call: Call, body: dict[str, Any], leg: Leg = "decode"
     ) -> aiohttp.ClientResponse:
         """Send one leg; returns once the instance's headers arrive."""
         url = f"{inst.url}{call.path}"
         data = json.dumps(body).encode()
-        headers = {**call.upstream_headers, **self._signature(call.path, data)}
+        headers = {**call.upstream_headers, **self._signature(url, data, call.request_id)}
         try:
             return await self.session.post(url, data=data, headers=headers)
         except aiohttp.ClientConnectorError as exc:
@@ -342,24 +537,23 @@ class Router:
 
     def _release(self, inst: Instance, request_id: str) -> None:
         """Pull: tell P that no decode instance read its lease, so the blocks go now."""
-        self._keep(asyncio.create_task(self._post_internal(inst, "/kv/release", request_id)))
+        self._keep(asyncio.create_task(self._post_internal(inst, KV_RELEASE_PATH, request_id)))
 
     async def _post_internal(self, inst: Instance, path: str, request_id: str) -> None:
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
-        data = json.dumps({"request_id": request_id}).encode()
-        headers = self._signature(path, data)
+        url, data = f"{inst.url}{path}", json.dumps({"request_id": request_id}).encode()
+        headers = self._signature(url, data)
         try:
-            async with self.session.post(
-                f"{inst.url}{path}", data=data, headers=headers, timeout=timeout
-            ) as resp:
+            async with self.session.post(url, data=data, headers=headers, timeout=timeout) as resp:
                 logger.info("%s %s on %s: %s", path, request_id, inst.url, resp.status)
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.warning("%s %s on %s failed: %r", path, request_id, inst.url, exc)
 
-    def _signature(self, path: str, data: bytes) -> dict[str, str]:
+    def _signature(self, url: str, data: bytes, request_id: str = "") -> dict[str, str]:
         """Headers that make a leg a cluster call: instances accept kv_transfer_params and
-        aborts only when signed with the cluster token."""
-        return auth.json_headers(self.cfg.cluster_token, path, data)
+        aborts only when signed with the cluster token, for them, once (a fresh nonce each
+        time: a retry is signed anew). `request_id`: the X-Request-Id the leg carries."""
+        return auth.json_headers(self.cfg.cluster_token, url, data, request_id=request_id)
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)
@@ -414,9 +608,15 @@ def _consume(task: asyncio.Future[Any]) -> None:
 def make_app(cfg: RouterConfig, *, client_max_size: int | None = None) -> web.Application:
     """The router as an aiohttp app; serve it with `start_server` (it sets handler cancellation
     so a client disconnect reaches the legs). Bodies over `client_max_size` bytes (default:
-    cfg.max_request_bytes) get a 413; with cfg.api_key, the OpenAI API needs it as a bearer."""
+    cfg.max_request_bytes) get a 413, bodies not received within cfg.body_timeout_s a 408;
+    with cfg.api_key, the OpenAI API needs it as a bearer."""
     router = Router(cfg)
-    middlewares = [error_middleware, api_key_middleware(cfg.api_key)]
+    # The key is checked first: a client without it never gets its body read.
+    middlewares = [
+        error_middleware,
+        api_key_middleware(cfg.api_key),
+        body_deadline_middleware(cfg.body_timeout_s),
+    ]
     app = web.Application(
         middlewares=middlewares, client_max_size=client_max_size or cfg.max_request_bytes
     )
@@ -428,16 +628,27 @@ def make_app(cfg: RouterConfig, *, client_max_size: int | None = None) -> web.Ap
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_text)
     app.router.add_get("/instances", router.list_instances)
-    add_membership_routes(app, router.pool, cfg.cluster_token)
+    add_membership_routes(app, router.pool, cfg)
     return app
 
 
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Listen on host:port (0 = any free port); returns the runner (call `cleanup()`) and port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def start_server(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0 = any free port); returns the runner (call `cleanup()`) and port.
+    A connection that has not sent a request's headers within `header_timeout_s` is closed;
+    with `ssl_context` the port speaks HTTPS only."""
+    runner = GuardedRunner(
+        app, header_timeout_s=header_timeout_s, error_body=error_object, handler_cancellation=True
+    )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except OSError:
         await runner.cleanup()  # stops the poller and closes the session started by setup()
         raise

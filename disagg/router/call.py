@@ -6,6 +6,7 @@ streamed), what `kv_transfer_params` each leg carries, and the checks a body mus
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +17,17 @@ from disagg.protocol import KVTransferParams
 from disagg.router.relay import RouteError
 from disagg.server.openai_api import (
     APIError,
+    check_prompt_size,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
 
 __all__ = ["Call", "kv_params", "parse_call", "prefill_body", "push_params"]
+
+# Bigger bodies are parsed and checked on a worker thread: the walk over a multi-MB body holds
+# the GIL in bytecode, which lets the event loop (other clients' streams) in between.
+_INLINE_PARSE_BYTES = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -81,24 +87,38 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _check_request(path: str, body: dict[str, Any]) -> None:
+def _check_request(path: str, body: dict[str, Any], max_prompt_chars: int | None) -> None:
     """The checks that need neither tokenizer nor engine, before any leg is sent: a request an
     instance would refuse must not cost a prefill and a held lease first."""
     parse = parse_chat_request if path.endswith("/chat/completions") else parse_completion_request
     try:
-        parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
+        parsed = parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
+        check_prompt_size(parsed, max_prompt_chars)
     except APIError as exc:
         raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
 
 
-async def parse_call(request: web.Request, request_id: str) -> Call:
+def _parse_body(raw: bytes, path: str, max_prompt_chars: int | None) -> dict[str, Any]:
     try:
-        body = parse_json_body(await request.read())
+        body = parse_json_body(raw)
     except APIError as exc:  # not JSON, not an object, too deep, lone surrogate, 1e309
         raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
     if not isinstance(body.get("stream", False), bool):
         raise RouteError.of(400, "stream must be a boolean")
-    _check_request(request.path, body)
+    _check_request(path, body, max_prompt_chars)
+    return body
+
+
+async def parse_call(
+    request: web.Request, request_id: str, max_prompt_chars: int | None = None
+) -> Call:
+    """The client's request, checked (RouteError when it is refused). Text and chat prompts
+    over `max_prompt_chars` characters (None: no bound) are refused before any leg."""
+    raw = await request.read()
+    if len(raw) > _INLINE_PARSE_BYTES:
+        body = await asyncio.to_thread(_parse_body, raw, request.path, max_prompt_chars)
+    else:
+        body = _parse_body(raw, request.path, max_prompt_chars)
     if "kv_transfer_params" in body:
         # They name blocks and peers: only the router sets them, on the legs it sends.
         raise RouteError.of(

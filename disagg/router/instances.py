@@ -1,9 +1,9 @@
 """Typed records of the instances behind the router, and the background task that keeps them fresh.
 
-Owns each instance's health (`/health`), load (`/load`) and KV identity (`/kv_info`), the live
-membership (instances named on the command line, plus those that register themselves and keep
-heartbeating), and turns a policy's choice into an `Instance`. Must not proxy requests (app.py)
-nor rank instances (policy.py).
+Owns each instance's health (`/health`), load (`/load`), KV identity (`/kv_info`) and circuit
+breaker (fed each leg's outcome by app.py), the live membership (instances named on the command
+line, plus those that register themselves and keep heartbeating), and turns a policy's choice
+into an `Instance`. Must not proxy requests (app.py) nor rank instances (policy.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import aiohttp
 import yarl
 
 from disagg.config import RouterConfig
+from disagg.router.breaker import CircuitBreaker
 from disagg.router.policy import InstanceRole, InstanceView, Load, Policy, make_policy
 
 __all__ = [
@@ -93,6 +94,7 @@ class Instance:
 
     url: str  # base URL, no trailing slash
     role: InstanceRole
+    breaker: CircuitBreaker
     is_healthy: bool = False
     load: Load | None = None  # last /load answer; None until one arrives or after a failure
     num_pending: int = 0  # requests routed here since `load` was taken
@@ -105,11 +107,15 @@ class Instance:
     def takes_work(self) -> bool:
         return self.is_healthy and not self.is_draining
 
-    def view(self) -> InstanceView:
+    def is_pickable(self, now_s: float) -> bool:
+        """Healthy, not draining, and its breaker lets a leg through."""
+        return self.takes_work and self.breaker.allows(now_s)
+
+    def view(self, now_s: float) -> InstanceView:
         return InstanceView(
             url=self.url,
             role=self.role,
-            is_healthy=self.takes_work,  # a policy never picks a draining instance
+            is_healthy=self.is_pickable(now_s),  # never a draining one, nor an open breaker
             load=self.load,
             num_pending=self.num_pending,
         )
@@ -121,6 +127,7 @@ class Instance:
             "role": self.role,
             "healthy": self.is_healthy,
             "draining": self.is_draining,
+            "breaker": self.breaker.state.value,
             "source": self.source,
             "heartbeat_age_s": age,
             "engine_id": self.kv_info.engine_id if self.kv_info else None,
@@ -137,10 +144,8 @@ class InstancePool:
         is_aggregated = cfg.mode == "aggregated"
         # In aggregated mode prefill URLs are unused: decode instances serve whole requests.
         prefill_urls = () if is_aggregated else cfg.prefill_urls
-        self.prefill = [Instance(url=normalize_url(u), role="prefill") for u in prefill_urls]
-        self.decode = [
-            Instance(url=normalize_url(u), role=self.decode_role) for u in cfg.decode_urls
-        ]
+        self.prefill = [self._new(normalize_url(u), "prefill") for u in prefill_urls]
+        self.decode = [self._new(normalize_url(u), self.decode_role) for u in cfg.decode_urls]
         self._policies: dict[PoolName, Policy] = {
             "prefill": make_policy(cfg.policy),
             "decode": make_policy(cfg.policy),
@@ -163,7 +168,14 @@ class InstancePool:
         return all(any(inst.takes_work for inst in pool) for pool in pools)
 
     def has_healthy(self, pool: PoolName) -> bool:
-        return any(inst.takes_work for inst in (self.prefill if pool == "prefill" else self.decode))
+        """Some instance of `pool` the policy may pick now."""
+        now_s = time.monotonic()
+        instances = self.prefill if pool == "prefill" else self.decode
+        return any(inst.is_pickable(now_s) for inst in instances)
+
+    def _new(self, url: str, role: InstanceRole, source: Source = "static") -> Instance:
+        breaker = CircuitBreaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown_s)
+        return Instance(url=url, role=role, breaker=breaker, source=source)
 
     # ------------------------------------------------------------------ membership
 
@@ -176,7 +188,7 @@ class InstancePool:
         if inst is not None and inst.role != role:
             raise MembershipError(f"{url} is already a {inst.role} instance, not {role}")
         if inst is None:
-            inst = Instance(url=url, role=role, source="registered")  # type: ignore[arg-type]
+            inst = self._new(url, role, "registered")  # type: ignore[arg-type]
             (self.prefill if pool_name == "prefill" else self.decode).append(inst)
             logger.info("instance %s (%s) registered", url, role)
             if self._session is not None:  # probed now, not at the next poll
@@ -229,9 +241,26 @@ class InstancePool:
     def pick(self, pool: PoolName) -> Instance:
         """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy."""
         candidates = self.prefill if pool == "prefill" else self.decode
-        chosen = candidates[self._policies[pool].choose([inst.view() for inst in candidates])]
+        now_s = time.monotonic()
+        views = [inst.view(now_s) for inst in candidates]
+        chosen = candidates[self._policies[pool].choose(views)]
         chosen.num_pending += 1
+        chosen.breaker.on_picked(now_s)
         return chosen
+
+    def note_served(self, inst: Instance) -> None:
+        """A leg this instance answered (any status it chose to give: a 4xx is the request's)."""
+        inst.breaker.on_served()
+
+    def note_failed(self, inst: Instance, reason: str) -> bool:
+        """A leg it did not serve (unreachable, broken, timed out, 502/503/504). True when
+        this failure opened its breaker."""
+        is_opened = inst.breaker.on_failed(time.monotonic())
+        if is_opened:
+            logger.warning("instance %s (%s): circuit open for %gs after %d failures (%s)",
+                           inst.url, inst.role, inst.breaker.cooldown_s,
+                           inst.breaker.num_failures, reason)  # fmt: skip
+        return is_opened
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Probe every instance once (so the first request sees real health), then poll."""
@@ -303,6 +332,7 @@ class InstancePool:
     async def _on_healthy(self, inst: Instance) -> None:
         """Transition to healthy: refresh what a restart may have changed before routing to it."""
         inst.kv_info = None
+        inst.breaker.on_served()  # a restarted instance starts with a clean record
         if inst.role != "both":
             try:
                 await self.get_kv_info(inst)

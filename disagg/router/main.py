@@ -10,8 +10,10 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import get_args
+from pathlib import Path
+from typing import Any, get_args
 
+from disagg import tls
 from disagg.config import (
     CLUSTER_TOKEN_ENV,
     FailurePolicy,
@@ -20,6 +22,7 @@ from disagg.config import (
     RouterMode,
     env_cluster_token,
     field_help,
+    resolve_api_key,
 )
 from disagg.router.app import make_app, start_server
 from disagg.router.instances import normalize_url
@@ -61,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=defaults["host"], help="address to listen on")
     parser.add_argument("--port", type=int, default=defaults["port"], help="0 = any free port")
     parser.add_argument(
+        "--advertise-url", default="", metavar="URL",
+        help="the URL instances reach the router at, when not --host:--port (a Service, a "
+        "proxy): their signed calls must be for it",
+    )  # fmt: skip
+    parser.add_argument(
         "--load-poll-interval-s",
         type=float,
         default=defaults["load_poll_interval_s"],
@@ -73,8 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default="",
-        help="clients must send 'Authorization: Bearer KEY' (default: open)",
+        help="clients must send 'Authorization: Bearer KEY' (default: --api-key-file, else "
+        "$DISAGG_API_KEY, else open); other users of the host can read it in the process list",
     )
+    parser.add_argument(
+        "--api-key-file", type=Path, metavar="PATH",
+        help="read the API key from this file, which keeps it out of the process list",
+    )  # fmt: skip
     parser.add_argument(
         "--cluster-token",
         default="",
@@ -91,13 +104,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get HTTP 413",
     )  # fmt: skip
     parser.add_argument(
+        "--max-prompt-chars", type=int, default=defaults["max_prompt_chars"],
+        help="longer text or chat prompts get HTTP 400 before any leg is sent "
+        "(default: an instance's bound at a 128k-token context; 0 = leave it to the instances)",
+    )  # fmt: skip
+    parser.add_argument(
         "--heartbeat-timeout-s", type=float, default=defaults["heartbeat_timeout_s"],
         help="drop an instance that registered itself (disagg serve --router) after this long "
         "without a heartbeat",
     )  # fmt: skip
     parser.add_argument(
+        "--header-timeout-s", type=float, default=defaults["header_timeout_s"],
+        help="seconds a connection gets to send a request's headers before it is closed",
+    )  # fmt: skip
+    parser.add_argument(
+        "--body-timeout-s", type=float, default=defaults["body_timeout_s"],
+        help="seconds a request gets to send its whole body; later ones get HTTP 408",
+    )  # fmt: skip
+    parser.add_argument(
+        "--internal-tls-cert", default="", metavar="PEM",
+        help="serve HTTPS with this certificate (with --internal-tls-key): keeps prompts "
+        "and KV metadata secret on a network others can read",
+    )  # fmt: skip
+    parser.add_argument("--internal-tls-key", default="", metavar="PEM",
+                        help="the certificate's private key")  # fmt: skip
+    parser.add_argument(
+        "--internal-tls-ca", default="", metavar="PEM",
+        help="CA the instances' certificates chain to, for https:// instance URLs",
+    )  # fmt: skip
+    _add_resilience_arguments(parser, defaults)
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"], help="log verbosity"
     )
+
+
+# Retries, circuit breakers and admission: RouterConfig's fields of the same names.
+_RESILIENCE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("max_retries", int, "resend a leg that never reached its instance (connection refused) "
+     "to another one at most this many times per request, never once the client got a byte; "
+     "0 = off"),
+    ("retry_backoff_s", float, "seconds before the first resend, doubled for each next one"),
+    ("retry_max_backoff_s", float, "the longest wait before a resend"),
+    ("breaker_failures", int, "an instance that fails this many legs in a row (unreachable, "
+     "broken, timed out, 502/503/504) takes no work until its cool-down ends; 0 = off"),
+    ("breaker_cooldown_s", float, "seconds an open circuit breaker keeps its instance out; "
+     "then one request probes it"),
+    ("max_concurrent_requests", int, "client requests served at once; 0 = no limit"),
+    ("max_queued_requests", int, "requests waiting for a free slot beyond "
+     "--max-concurrent-requests; more get HTTP 429"),
+    ("queue_timeout_s", float, "seconds a request waits for a free slot, then HTTP 503"),
+)  # fmt: skip
+
+
+def _add_resilience_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    for name, kind, text in _RESILIENCE_FLAGS:
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=defaults[name],
+            help=f"{text} (default: %(default)s)",
+        )  # fmt: skip
+
+
+def _resilience_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name, _, _ in _RESILIENCE_FLAGS}
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
@@ -109,13 +177,21 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy,
         host=args.host,
         port=args.port,
+        advertise_url=args.advertise_url,
         load_poll_interval_s=args.load_poll_interval_s,
         request_timeout_s=args.request_timeout_s,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
         cluster_token=args.cluster_token or env_cluster_token(),
         failure_policy=args.failure_policy,
         max_request_bytes=args.max_request_bytes,
+        max_prompt_chars=args.max_prompt_chars,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        tls_cert_file=args.internal_tls_cert,
+        tls_key_file=args.internal_tls_key,
+        tls_ca_file=args.internal_tls_ca,
+        **_resilience_config(args),
     )
 
 
@@ -123,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.api_key:
+        print("disagg route: warning: --api-key shows in the process list to every user of "
+              "this host; use --api-key-file or $DISAGG_API_KEY", file=sys.stderr)  # fmt: skip
     try:
         cfg = build_config(args)
     except ValueError as exc:
@@ -137,11 +216,16 @@ async def _serve(cfg: RouterConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        runner, port = await start_server(make_app(cfg), cfg.host, cfg.port)
+        listen_tls = tls.server_context(cfg.tls_cert_file, cfg.tls_key_file)
+        runner, port = await start_server(
+            make_app(cfg), cfg.host, cfg.port, header_timeout_s=cfg.header_timeout_s,
+            ssl_context=listen_tls,
+        )  # fmt: skip
     except OSError as exc:  # port taken, bad host
         print(f"disagg route: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1
-    print(f"disagg route ready on http://{cfg.host}:{port}", flush=True)
+    print(f"disagg route ready on {tls.scheme(listen_tls is not None)}://{cfg.host}:{port}",
+          flush=True)  # fmt: skip
     try:
         await stop.wait()
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -18,16 +19,23 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg.call_guard import Identity
+from disagg.config import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+from disagg.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.protocol import RequestOutput
-from disagg.server.engine_client import EngineClient, EngineOverloadedError
+from disagg.server.engine_client import EngineClient, EngineOverloadedError, RequestIdInUseError
 from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
 from disagg.server.openai_api import (
     APIError,
     GenerateRequest,
+    check_prompt_size,
+    error_body,
     make_sampling_params,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
+    prompt_char_limit,
+    prompt_chars,
     resolve_max_tokens,
 )
 from disagg.server.openai_responses import (
@@ -55,6 +63,7 @@ _INLINE_PARSE_BYTES = 256 * 1024
 _INLINE_TOKENIZE_CHARS = 64 * 1024
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
+Parse = Callable[[Mapping[str, Any]], GenerateRequest]
 Submit = Callable[[], AsyncIterator[RequestOutput]]
 Emit = Callable[[TextDelta], Awaitable[None]]
 
@@ -66,19 +75,28 @@ def make_app(
     extra_routes: Sequence[web.RouteDef] = (),
     api_key: str = "",
     cluster_token: str = "",
+    identity: Identity | None = None,
     max_request_bytes: int = _MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    max_prompt_chars: int = 0,
 ) -> web.Application:
     """The instance's app. Serve it with `start_server` (or any runner created with
     handler_cancellation=True, so a client that goes away cancels its handler).
 
     `cluster_token` opens the internal routes to calls signed with it (without one they are
-    off); `api_key` closes the OpenAI API to clients without it. Bodies over
-    `max_request_bytes` are refused with 413 before they are read whole."""
-    server = _Server(engine, tokenizer)
-    auth_middleware = make_auth_middleware(api_key=api_key, cluster_token=cluster_token)
-    app = web.Application(
-        middlewares=[_error_middleware, auth_middleware], client_max_size=max_request_bytes
+    off), each call signed for this instance (its `identity`, besides the address the call
+    reaches; see disagg.call_guard) and used once; `api_key` closes the OpenAI API to clients
+    without it. Bodies over `max_request_bytes` are refused with 413 before they are read
+    whole, bodies not received within `body_timeout_s` with 408. Text and chat prompts over
+    `max_prompt_chars` characters (0: the engine's max_model_len x PROMPT_CHARS_PER_TOKEN)
+    are refused with 400 before they are tokenized."""
+    server = _Server(engine, tokenizer, max_prompt_chars)
+    auth_middleware = make_auth_middleware(
+        api_key=api_key, cluster_token=cluster_token, identity=identity
     )
+    # The body is read before auth: a signature check needs it, and it must be bounded too.
+    middlewares = [_error_middleware, body_deadline_middleware(body_timeout_s), auth_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
     app.add_routes(
         [
             web.post("/v1/completions", server.completions),
@@ -96,15 +114,27 @@ def make_app(
 
 
 async def start_server(
-    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 5.0
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout_s: float = 5.0,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Listen on host:port (0 = a free port); returns the runner (call `cleanup()` to stop) and
-    the bound port. Handler cancellation is on: it is how a vanished client aborts its request."""
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    the bound port. Handler cancellation is on: it is how a vanished client aborts its request.
+    A connection that has not sent a request's headers within `header_timeout_s` is closed.
+    With `ssl_context` the port speaks HTTPS only (internal TLS, disagg.tls)."""
+    runner = GuardedRunner(
+        app,
+        header_timeout_s=header_timeout_s,
+        error_body=_parser_error_body,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound_port = int(runner.addresses[0][1])
     return runner, bound_port
@@ -132,6 +162,11 @@ async def _error_middleware(
 
 def _error_response(exc: APIError, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _parser_error_body(status: int, message: str) -> dict[str, Any]:
+    """A request aiohttp's HTTP parser refused (bad request line, header over its limit)."""
+    return error_body(status, message, code="bad_request" if status < 500 else "internal_error")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -186,11 +221,16 @@ class _Run:
 class _Server:
     """Route handlers over one engine and one tokenizer."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, max_prompt_chars: int) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._metrics = ServerMetrics(engine)
         self._created = int(time.time())
+        self._max_prompt_chars = max_prompt_chars  # 0 = derived from the engine's context
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self._max_prompt_chars or prompt_char_limit(self._engine.max_model_len)
 
     # ---- OpenAI generation ------------------------------------------------------------------
 
@@ -200,11 +240,9 @@ class _Server:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat_request)
 
-    async def _generate(
-        self, request: web.Request, parse: Callable[[Mapping[str, Any]], GenerateRequest]
-    ) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, parse: Parse) -> web.StreamResponse:
         arrival_s = time.monotonic()
-        req = parse(await _parse_body(await request.read()))
+        req = await self._parse(await request.read(), parse)
         if req.kv_transfer_params is not None and not is_cluster_call(request):
             raise APIError(
                 403,
@@ -216,7 +254,7 @@ class _Server:
             raise APIError(
                 404, f"model {req.model!r} does not exist", code="model_not_found", param="model"
             )
-        if req.prompt is not None and len(req.prompt) > _INLINE_TOKENIZE_CHARS:
+        if prompt_chars(req) > _INLINE_TOKENIZE_CHARS:
             prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
         else:
             prompt_ids = self._prompt_ids(req)
@@ -238,6 +276,19 @@ class _Server:
         if req.stream:
             return await self._stream(request, run, submit)
         return await self._complete(run, submit)
+
+    async def _parse(self, raw: bytes, parse: Parse) -> GenerateRequest:
+        """Body -> validated request whose prompt is small enough to tokenize. A big body is
+        parsed on a worker thread: walking a long token-id list holds the GIL, in bytecode
+        that lets the event loop in between."""
+        if len(raw) > _INLINE_PARSE_BYTES:
+            return await asyncio.to_thread(self._parse_now, raw, parse)
+        return self._parse_now(raw, parse)
+
+    def _parse_now(self, raw: bytes, parse: Parse) -> GenerateRequest:
+        req = parse(parse_json_body(raw))
+        check_prompt_size(req, self.max_prompt_chars, self._engine.max_model_len)
+        return req
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -385,12 +436,6 @@ class _Server:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-async def _parse_body(raw: bytes) -> dict[str, Any]:
-    if len(raw) > _INLINE_PARSE_BYTES:
-        return await asyncio.to_thread(parse_json_body, raw)
-    return parse_json_body(raw)
-
-
 def _request_id(request: web.Request) -> str:
     return request.headers.get("X-Request-Id", "").strip() or f"cmpl-{uuid.uuid4().hex}"
 
@@ -418,6 +463,9 @@ def _engine_error(run: _Run, exc: Exception) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         run.is_refused = True
         return APIError(503, str(exc) or "engine overloaded", code="engine_overloaded")
+    if isinstance(exc, RequestIdInUseError):
+        run.is_refused = True
+        return APIError(409, str(exc), code="request_id_in_use", param="X-Request-Id")
     if isinstance(exc, ValueError):
         run.is_refused = True
         return APIError(400, str(exc), code="request_refused")

@@ -12,11 +12,12 @@ from typing import Any, Protocol
 from disagg.protocol import (
     EngineOverloadedError,
     KVTransferParams,
+    RequestIdInUseError,
     RequestOutput,
     SamplingParams,
 )
 
-__all__ = ["EngineClient", "EngineOverloadedError"]
+__all__ = ["EngineClient", "EngineOverloadedError", "RequestIdInUseError"]
 
 
 class EngineClient(Protocol):
@@ -32,12 +33,14 @@ class EngineClient(Protocol):
         sampling: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request; yields deltas until one with finish_reason set.
-        Raises ValueError for a request the engine refuses (e.g. duplicate id)."""
+        """Submit a request; yields deltas (carrying `request_id`) until one with finish_reason
+        set. Raises ValueError for a request the engine refuses; RequestIdInUseError (a
+        ValueError) while an earlier request under the same id still streams."""
         ...
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request (client gone, stop string hit). Idempotent; frees its blocks."""
+        """Abort the latest request under this id (client gone, stop string hit), also once its
+        stream ended while the engine still holds it (a lease). Idempotent; frees its blocks."""
         ...
 
     def load(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from disagg import tls
 from disagg.config import (
     CacheConfig,
     EngineConfig,
@@ -23,6 +24,7 @@ from disagg.config import (
     SchedulerConfig,
     ServerConfig,
     env_cluster_token,
+    resolve_api_key,
 )
 
 __all__ = ["add_arguments", "build_configs", "run"]
@@ -36,14 +38,29 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
     (ServerConfig, "host", "--host", "address to listen on"),
     (ServerConfig, "port", "--port", "port to listen on (0 = any free port)"),
     (ServerConfig, "api_key", "--api-key",
-     "clients must send 'Authorization: Bearer KEY' (default: open)"),
+     "clients must send 'Authorization: Bearer KEY' (default: --api-key-file, else "
+     "$DISAGG_API_KEY, else open); other users of the host can read it in the process list"),
     (ServerConfig, "max_request_bytes", "--max-request-bytes",
      "larger request bodies get HTTP 413"),
+    (ServerConfig, "max_prompt_chars", "--max-prompt-chars",
+     "longer text or chat prompts get HTTP 400 before they are tokenized "
+     "(0 = max_model_len x 16)"),
+    (ServerConfig, "header_timeout_s", "--header-timeout-s",
+     "seconds a connection gets to send a request's headers before it is closed"),
+    (ServerConfig, "body_timeout_s", "--body-timeout-s",
+     "seconds a request gets to send its whole body; later ones get HTTP 408"),
     (ServerConfig, "router_url", "--router",
      "register with this router (needs the cluster token), heartbeat, and drain on SIGTERM"),
     (ServerConfig, "advertise_url", "--advertise-url",
      "the URL the router reaches this instance at (default: http://HOST:PORT)"),
     (ServerConfig, "heartbeat_s", "--heartbeat-s", "seconds between heartbeats to --router"),
+    (ServerConfig, "tls_cert_file", "--internal-tls-cert",
+     "serve HTTPS with this PEM certificate (with --internal-tls-key): keeps prompts and KV "
+     "metadata secret on a network others can read"),
+    (ServerConfig, "tls_key_file", "--internal-tls-key", "the certificate's PEM private key"),
+    (KVTransferConfig, "tls_ca_file", "--internal-tls-ca",
+     "PEM CA the peers' and the router's certificates chain to; with it, peers' KV side "
+     "channels and --router are called over HTTPS"),
     (ServerConfig, "drain_timeout_s", "--drain-timeout-s",
      "on SIGTERM with --router: seconds to let in-flight requests and held KV finish"),
     (EngineConfig, "device", "--device", "where the model runs: cpu, cuda or cuda:N"),
@@ -92,6 +109,10 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for cls, name, flag, help_text in _FLAGS:
         _add_flag(parser, cls, name, flag, help_text)
+    # Not a config field: the file is only where ServerConfig.api_key comes from.
+    parser.add_argument("--api-key-file", type=Path, metavar="PATH",
+                        help="read the API key from this file, which keeps it out of the "
+                        "process list")  # fmt: skip
 
 
 def _dest(cls: type, name: str) -> str:
@@ -125,16 +146,21 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         values.setdefault(cls, {})[name] = getattr(args, _dest(cls, name))
     kv_values = values[KVTransferConfig]
     kv_values["cluster_token"] = kv_values["cluster_token"] or env_cluster_token()
+    server_values = values[ServerConfig]
+    server_values["api_key"] = resolve_api_key(server_values["api_key"], args.api_key_file)
     engine = EngineConfig(
         **values[EngineConfig],
         scheduler=SchedulerConfig(**values[SchedulerConfig]),
         cache=CacheConfig(**values[CacheConfig]),
         kv_transfer=KVTransferConfig(**values[KVTransferConfig]),
     )
-    return engine, ServerConfig(**values[ServerConfig])
+    return engine, ServerConfig(**server_values)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, _dest(ServerConfig, "api_key")):
+        print("disagg serve: warning: --api-key shows in the process list to every user of "
+              "this host; use --api-key-file or $DISAGG_API_KEY", file=sys.stderr)  # fmt: skip
     try:
         config, server = build_configs(args)
     except (TypeError, ValueError) as exc:
@@ -180,15 +206,23 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
             extra_routes=extra_routes,
             api_key=server.api_key,
             cluster_token=config.kv_transfer.cluster_token,
+            identity=_identity(config, server),
             max_request_bytes=server.max_request_bytes,
+            body_timeout_s=server.body_timeout_s,
+            max_prompt_chars=server.max_prompt_chars,
         )
-        runner, port = await start_server(app, server.host, server.port)
+        listen_tls = tls.server_context(server.tls_cert_file, server.tls_key_file)
+        runner, port = await start_server(
+            app, server.host, server.port, header_timeout_s=server.header_timeout_s,
+            ssl_context=listen_tls,
+        )  # fmt: skip
         engine.set_address(server.host, port)  # peers reach the KV side channel here
         registration = _registration(config, server, port)
         try:
             if registration is not None:
                 await registration.start()
-            print(f"disagg serve ready on http://{server.host}:{port}", flush=True)
+            own_url = f"{tls.scheme(listen_tls is not None)}://{server.host}:{port}"
+            print(f"disagg serve ready on {own_url}", flush=True)
             await stop.wait()
             if registration is not None:  # still serving: streams finish, peers read our KV
                 await registration.drain(engine.is_idle, server.drain_timeout_s)
@@ -203,15 +237,26 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
         await engine.shutdown()
 
 
+def _identity(config: EngineConfig, server: ServerConfig) -> Any:
+    """The names a cluster call may be signed for to reach us, besides the address it
+    arrives at: the advertised URL (a port mapping or a Service hides it otherwise), the
+    listen host and the KV host (peers' side-channel calls name it)."""
+    from disagg.call_guard import Identity
+
+    return Identity.of((server.advertise_url,), (server.host, config.kv_transfer.host))
+
+
 def _registration(config: EngineConfig, server: ServerConfig, port: int) -> Any:
     """The router membership `--router` asks for, or None."""
     if not server.router_url:
         return None
     from disagg.server.registration import Registration
 
-    own_url = server.advertise_url or f"http://{server.host}:{port}"
+    own_scheme = tls.scheme(bool(server.tls_cert_file))
+    own_url = server.advertise_url or f"{own_scheme}://{server.host}:{port}"
     kv = config.kv_transfer
-    return Registration(server.router_url, own_url, kv.role, kv.cluster_token, server.heartbeat_s)
+    return Registration(server.router_url, own_url, kv.role, kv.cluster_token, server.heartbeat_s,
+                        ssl_context=tls.client_context(kv.tls_ca_file))  # fmt: skip
 
 
 def _stop_event() -> asyncio.Event:

@@ -1,8 +1,10 @@
 """OpenAI API wire format, requests: parse and validate bodies (responses: openai_responses.py).
 
 Owns the error shape and every 4xx decision that needs neither tokenizer nor engine (the app checks
-vocabulary and context length). Must not touch the engine, the tokenizer or aiohttp: pure functions
-over JSON values, so the router can reuse them.
+vocabulary and context length), the size bounds among them that keep one request's work small:
+prompt characters before tokenizing, the number and length of stop strings and stop ids. Must
+not touch the engine, the tokenizer or aiohttp: pure functions over JSON values, so the router
+can reuse them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ from typing import Any
 from disagg.protocol import KVTransferParams, SamplingParams
 
 __all__ = [
+    "MAX_NUM_STOP",
+    "MAX_NUM_STOP_TOKEN_IDS",
+    "MAX_STOP_CHARS",
+    "PROMPT_CHARS_PER_TOKEN",
     "APIError",
     "GenerateRequest",
+    "check_prompt_size",
     "error_body",
     "make_sampling_params",
     "parse_chat_request",
     "parse_completion_request",
     "parse_json_body",
+    "prompt_char_limit",
+    "prompt_chars",
     "resolve_max_tokens",
 ]
 
@@ -31,6 +40,15 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # slot for the whole context on a small machine.
 MAX_DEFAULT_CHAT_TOKENS = 1024
 MAX_JSON_DEPTH = 64  # nesting levels a body may have (the top object is level 1)
+# A prompt is refused by its length in characters before it is tokenized (tokenizing 15 MB took
+# 17 s holding the GIL, and ~5 GB). A token is ~4 characters of English and rarely over 16
+# (whitespace runs, long symbol runs); over a whole prompt 16 is far past any real text.
+PROMPT_CHARS_PER_TOKEN = 16
+# Per-token work grows with these lists (stop strings are matched against every new piece of
+# text, stop ids against every sampled token). OpenAI takes 4 stop strings; vLLM sets no bound.
+MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 256  # stop strings are markers ("</s>", "\nUser:"), not passages
+MAX_NUM_STOP_TOKEN_IDS = 1024  # above any model's special tokens (Llama 3 reserves 256)
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Parameters we accept only at their no-op value: silently ignoring them would change the output.
 _NOOP_VALUES: dict[str, object] = {
@@ -216,27 +234,44 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
 
 def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
     top_k = _opt_int(body, "top_k")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (
-        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise _bad("stop must be a non-empty string or a list of non-empty strings", "stop")
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
-        raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
     fields: dict[str, Any] = {
         "temperature": _opt_number(body, "temperature"),
         "top_p": _opt_number(body, "top_p"),
         "top_k": None if top_k in (None, -1, 0) else top_k,  # -1/0 = disabled, as vLLM
         "seed": _opt_int(body, "seed"),
-        "stop": tuple(stop or ()),
-        "stop_token_ids": tuple(stop_token_ids or ()),
+        "stop": _parse_stop(body.get("stop")),
+        "stop_token_ids": _parse_stop_token_ids(body.get("stop_token_ids")),
         "ignore_eos": _opt_bool(body, "ignore_eos"),
         "min_tokens": _opt_int(body, "min_tokens"),
     }
     given = {k: v for k, v in fields.items() if v is not None}
     return _sampling_or_400(SamplingParams, **given)
+
+
+def _parse_stop(raw: object) -> tuple[str, ...]:
+    stop = [raw] if isinstance(raw, str) else raw
+    if stop is None:
+        return ()
+    if isinstance(stop, list) and len(stop) > MAX_NUM_STOP:
+        raise _bad(f"stop may have at most {MAX_NUM_STOP} strings, got {len(stop)}", "stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        message = f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}"
+        raise _bad(message, "stop")
+    return tuple(stop)
+
+
+def _parse_stop_token_ids(raw: object) -> frozenset[int]:
+    if raw is None:
+        return frozenset()
+    if isinstance(raw, list) and len(raw) > MAX_NUM_STOP_TOKEN_IDS:  # before a walk over it
+        message = f"stop_token_ids may have at most {MAX_NUM_STOP_TOKEN_IDS} ids, got {len(raw)}"
+        raise _bad(message, "stop_token_ids")
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    return frozenset(raw)
 
 
 def _sampling_or_400(factory: Any, **fields: Any) -> SamplingParams:
@@ -333,6 +368,48 @@ def resolve_max_tokens(request: GenerateRequest, num_prompt_tokens: int, max_mod
             param="max_tokens",
         )
     return request.max_tokens
+
+
+def prompt_char_limit(max_model_len: int) -> int:
+    """The default bound on a prompt's characters for a context of `max_model_len` tokens."""
+    return max_model_len * PROMPT_CHARS_PER_TOKEN
+
+
+def check_prompt_size(
+    request: GenerateRequest, max_prompt_chars: int | None, max_model_len: int | None = None
+) -> None:
+    """Refuse a prompt that cannot be worth tokenizing, before it is: text or chat messages
+    over `max_prompt_chars` characters (None: no bound), token ids that leave no room in
+    `max_model_len` (None: unknown, as on the router). APIError 400 naming the field."""
+    if request.prompt_token_ids is not None:
+        num_tokens = len(request.prompt_token_ids)
+        if max_model_len is not None and num_tokens >= max_model_len:
+            message = f"prompt has {num_tokens} tokens; the context is {max_model_len} tokens"
+            raise _context_exceeded(message, "prompt")
+        return
+    num_chars = prompt_chars(request)
+    if max_prompt_chars is not None and num_chars > max_prompt_chars:
+        param = "prompt" if request.messages is None else "messages"
+        message = (
+            f"{param} has {num_chars} characters; this server tokenizes at most "
+            f"{max_prompt_chars} (about {PROMPT_CHARS_PER_TOKEN} per token of context)"
+        )
+        raise _context_exceeded(message, param)
+
+
+def prompt_chars(request: GenerateRequest) -> int:
+    """A text or chat prompt's size in characters (0 for token ids): what tokenizing costs."""
+    if request.messages is not None:
+        # A message costs at least a token (its role marker): 500k empty ones render to 14 MB.
+        return sum(
+            len(m["content"]) + len(m.get("name", "")) + PROMPT_CHARS_PER_TOKEN
+            for m in request.messages
+        )
+    return len(request.prompt or "")
+
+
+def _context_exceeded(message: str, param: str) -> APIError:
+    return APIError(400, message, code="context_length_exceeded", param=param)
 
 
 def make_sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams:

@@ -37,7 +37,7 @@ class OutputProcessor:
         skip_special_tokens: bool = True,
     ) -> None:
         self._detokenizer = tokenizer.detokenizer(prompt_token_ids, skip_special_tokens)
-        self._stop = tuple(s for s in stop if s)
+        self._matcher = _StopMatcher([s for s in stop if s])
         self._pending = ""  # decoded, not yet released (may be the start of a stop string)
         self.text = ""  # everything released so far
         self.num_output_tokens = 0  # tokens consumed, up to the one completing a stop string
@@ -48,13 +48,11 @@ class OutputProcessor:
         assert self.finish_reason is None, f"{output.request_id}: output after finish"
         for token_id in output.new_token_ids:
             self.num_output_tokens += 1
-            self._pending += self._detokenizer.add(token_id)
-            if (hit := self._release_through_stop()) is not None:
+            if (hit := self._append(self._detokenizer.add(token_id))) is not None:
                 return hit
         if not output.is_finished:
-            return TextDelta(self._release(_held_suffix_len(self._pending, self._stop)), None)
-        self._pending += self._detokenizer.flush()
-        if (hit := self._release_through_stop()) is not None:
+            return TextDelta(self._release(self._matcher.num_held_chars), None)
+        if (hit := self._append(self._detokenizer.flush())) is not None:
             return hit
         assert output.finish_reason is not None
         self.finish_reason = output.finish_reason.value
@@ -62,11 +60,14 @@ class OutputProcessor:
         error = output.error if output.finish_reason is FinishReason.ERROR else None
         return TextDelta(text, self.finish_reason, error=error)
 
-    def _release_through_stop(self) -> TextDelta | None:
-        index = _find_stop(self._pending, self._stop)
-        if index is None:
+    def _append(self, text: str) -> TextDelta | None:
+        """Add newly decoded text; the finish when it completes a stop string."""
+        start = self._matcher.feed(text)  # relative to `text`; < 0 = inside the held text
+        if start is None:
+            self._pending += text
             return None
-        self._pending = self._pending[:index]
+        cut = len(self._pending) + start
+        self._pending = (self._pending + text)[:cut]
         self.finish_reason = FinishReason.STOP.value
         return TextDelta(self._release(0), self.finish_reason, stop_string_hit=True)
 
@@ -77,18 +78,54 @@ class OutputProcessor:
         return text
 
 
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Index of the earliest stop string occurrence in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else None
+class _StopMatcher:
+    """How far each stop string is matched at the end of the text so far (Knuth-Morris-Pratt):
+    a new character costs O(1) amortized per stop string, so text already seen is never
+    scanned again (re-scanning held text for 1000 stop strings of 2000 characters took 18 s)."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(stop)
+        self._fallback = [_prefix_function(s) for s in self._stop]
+        self._num_matched = [0] * len(self._stop)  # chars of each stop string ending the text
+
+    @property
+    def num_held_chars(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of a stop string."""
+        return max(self._num_matched, default=0)
+
+    def feed(self, text: str) -> int | None:
+        """Advance over `text`. The start, relative to `text`, of the earliest-starting stop
+        string completed within it (negative: it began in earlier text), or None."""
+        starts = []
+        for index, stop in enumerate(self._stop):
+            end = self._advance(index, text)
+            if end is not None:
+                starts.append(end - len(stop))
+        return min(starts, default=None)
+
+    def _advance(self, index: int, text: str) -> int | None:
+        """Run stop string `index` over `text`; where in `text` it first completes, or None."""
+        stop, fallback = self._stop[index], self._fallback[index]
+        num_matched = self._num_matched[index]
+        for pos, char in enumerate(text):
+            while num_matched and stop[num_matched] != char:
+                num_matched = fallback[num_matched - 1]
+            if stop[num_matched] == char:
+                num_matched += 1
+            if num_matched == len(stop):
+                return pos + 1  # the request stops here: the state is not needed any more
+        self._num_matched[index] = num_matched
+        return None
 
 
-def _held_suffix_len(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
+def _prefix_function(stop: str) -> list[int]:
+    """fallback[i] = length of the longest proper prefix of stop[: i + 1] that also ends it."""
+    fallback = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fallback[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fallback[i] = k
+    return fallback

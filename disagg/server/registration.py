@@ -2,10 +2,11 @@
 drain, leave.
 
 Every `heartbeat_s` the instance posts a signed registration (its URL and role) to the router,
-which adds it on the first one and drops it when they stop. On SIGTERM it says it is draining
-(the router sends it no new work), waits until every request it holds has finished and every
-KV block a peer may still read is released, deregisters, and only then stops. Must not serve
-requests (app.py) or touch the engine beyond asking whether it is idle.
+which adds it on the first one and drops it when they stop. Each call is signed afresh (the
+router accepts a signature once) and the router's answer must be signed for it. On SIGTERM it
+says it is draining (the router sends it no new work), waits until every request it holds has
+finished and every KV block a peer may still read is released, deregisters, and only then
+stops. Must not serve requests (app.py) or touch the engine beyond asking whether it is idle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +34,17 @@ _IDLE_POLL_S = 0.05
 
 class Registration:
     def __init__(
-        self, router_url: str, own_url: str, role: str, cluster_token: str, heartbeat_s: float
+        self,
+        router_url: str,
+        own_url: str,
+        role: str,
+        cluster_token: str,
+        heartbeat_s: float,
+        *,
+        ssl_context: ssl.SSLContext | None = None,  # an https router's CA (internal TLS)
     ) -> None:
         self.router_url = router_url.rstrip("/")
+        self.ssl_context = ssl_context
         self.own_url = own_url
         self.role = role
         self.cluster_token = cluster_token
@@ -45,7 +55,9 @@ class Registration:
         self._is_failing = False  # log a failed heartbeat once per streak, not every beat
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_CALL_TIMEOUT_S))
+        connector = aiohttp.TCPConnector(ssl=self.ssl_context or True)
+        timeout = aiohttp.ClientTimeout(total=_CALL_TIMEOUT_S)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._task = asyncio.create_task(self._beat_forever(), name="router-heartbeat")
 
     async def drain(self, is_idle: Callable[[], bool], timeout_s: float) -> bool:
@@ -91,12 +103,22 @@ class Registration:
         self._is_failing = False
 
     async def _post(self, path: str, body: dict[str, Any]) -> None:
+        """One signed call (a fresh nonce: the router accepts each once); the router's answer
+        must be signed for it, or the call counts as failed."""
         assert self._session is not None, "start() first"
-        data = json.dumps(body).encode()
-        headers = auth.json_headers(self.cluster_token, path, data)
-        async with self._session.post(self.router_url + path, data=data, headers=headers) as resp:
+        url, data = self.router_url + path, json.dumps(body).encode()
+        signature = auth.sign(self.cluster_token, "POST", url, data)
+        headers = {"Content-Type": "application/json", auth.SIGNATURE_HEADER: signature.header}
+        async with self._session.post(url, data=data, headers=headers) as resp:
+            raw = await resp.read()
             if resp.status >= 400:  # a refusal (wrong role, bad token) will not heal by itself
-                text = (await resp.text())[:300]
-                raise aiohttp.ClientResponseError(
-                    resp.request_info, (), status=resp.status, message=text
-                )
+                raise _failed(resp, raw[:300].decode(errors="replace"))
+            try:
+                auth.check_answer(self.cluster_token, resp.headers.get(auth.SIGNATURE_HEADER),
+                                  signature.nonce, resp.status, raw)  # fmt: skip
+            except auth.SignatureError as exc:
+                raise _failed(resp, f"{url}: {exc}") from exc
+
+
+def _failed(resp: aiohttp.ClientResponse, message: str) -> aiohttp.ClientResponseError:
+    return aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=message)

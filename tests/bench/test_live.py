@@ -4,6 +4,7 @@ exact output lengths, every request completed, and the server's TTFT breakdown c
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,10 @@ def test_bench_against_live_server(server: Proc, dataset: str) -> None:
     assert result["output_lens"] == [5] * 6  # ignore_eos + max_tokens: exact
     expected_input = 24 if dataset == "random" else 32 + 24
     assert result["input_lens"] == [expected_input] * 6
-    assert 0 < result["median_ttft_ms"] < result["median_e2el_ms"]
-    assert result["mean_tpot_ms"] > 0 and result["output_throughput"] > 0
+    # Timings under whatever else loads the machine: measured and ordered, never sized. A busy
+    # client can read a request's last tokens in one go, so TPOT may be 0 and E2EL = TTFT.
+    assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
+    assert math.isfinite(result["mean_tpot_ms"]) and result["mean_tpot_ms"] >= 0
+    assert result["output_throughput"] > 0
     breakdown = result["mean_breakdown_ms"]
     assert breakdown["prefill"] > 0 and "queue" in breakdown

@@ -16,6 +16,7 @@ import random
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -55,7 +56,7 @@ STOP_TIMEOUT_S = 10.0  # SIGTERM -> exit; then SIGKILL
 REQUEST_TIMEOUT_S = 60.0  # the longest silence a test client accepts before calling it a hang
 POOL_TIMEOUT_S = 10.0  # blocks are freed asynchronously (notifications, aborts, leases)
 LOG_TAIL_LINES = 25
-_READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
+_READY = re.compile(rb"ready on (https?://[\w.\-]+:\d+)")
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -71,6 +72,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
+def _child_setup(preexec: Callable[[], None] | None) -> None:
+    _die_with_parent()
+    if preexec is not None:
+        preexec()
+
+
 @dataclass(slots=True, eq=False)
 class Proc:
     """One child: an engine instance or a router."""
@@ -80,6 +87,7 @@ class Proc:
     log_path: Path
     popen: subprocess.Popen[bytes]
     url: str = ""  # known once the child printed its ready line
+    tls_context: ssl.SSLContext | None = None  # verifies an https child (internal TLS)
 
     # ---- lifecycle
 
@@ -130,10 +138,10 @@ class Proc:
     # ---- HTTP
 
     def get_status(self, path: str) -> int:
-        return _request(self.url, "GET", path, None, timeout_s=2.0)[0]
+        return _request(self.url, "GET", path, None, timeout_s=2.0, context=self.tls_context)[0]
 
     def get_json(self, path: str) -> Any:
-        status, raw = _request(self.url, "GET", path, None, timeout_s=5.0)
+        status, raw = _request(self.url, "GET", path, None, timeout_s=5.0, context=self.tls_context)
         assert status == 200, f"{self.name} GET {path}: HTTP {status}: {raw[:200]!r}"
         return json.loads(raw)
 
@@ -149,7 +157,9 @@ class Proc:
 
     def num_finished(self, finish_reason: str) -> float:
         """Requests this instance finished with `finish_reason` ("length", "abort", "error")."""
-        status, raw = _request(self.url, "GET", "/metrics", None, timeout_s=5.0)
+        status, raw = _request(
+            self.url, "GET", "/metrics", None, timeout_s=5.0, context=self.tls_context
+        )
         assert status == 200, f"{self.name} GET /metrics: HTTP {status}"
         line = f'disagg_requests_total{{finish_reason="{finish_reason}"}} '
         found = [row for row in raw.decode().splitlines() if row.startswith(line)]
@@ -165,11 +175,14 @@ def _request(
     timeout_s: float,
     signed: bool = False,
     headers: dict[str, str] | None = None,
+    context: ssl.SSLContext | None = None,
 ) -> tuple[int, bytes]:
-    conn = _connect(url, timeout_s)
+    conn = _connect(url, timeout_s, context)
     try:
         data = None if body is None else json.dumps(body).encode()
-        all_headers = {**_headers(method, path, data, signed), **(headers or {})}
+        extra = headers or {}
+        request_id = extra.get("X-Request-Id", "")
+        all_headers = {**_headers(method, url + path, data, signed, request_id), **extra}
         conn.request(method, path, body=data, headers=all_headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
@@ -177,16 +190,23 @@ def _request(
         conn.close()
 
 
-def _headers(method: str, path: str, data: bytes | None, signed: bool) -> dict[str, str]:
-    """JSON headers; `signed`: as the router sends a leg (a cluster call)."""
+def _headers(
+    method: str, url: str, data: bytes | None, signed: bool, request_id: str
+) -> dict[str, str]:
+    """JSON headers; `signed`: as the router sends a leg (a cluster call, for `url`, once)."""
     if not signed:
         return _JSON_HEADERS
-    signature = auth.sign(CLUSTER_TOKEN, method, path, data or b"")
-    return {**_JSON_HEADERS, auth.SIGNATURE_HEADER: signature}
+    signature = auth.sign(CLUSTER_TOKEN, method, url, data or b"", request_id=request_id)
+    return {**_JSON_HEADERS, auth.SIGNATURE_HEADER: signature.header}
 
 
-def _connect(url: str, timeout_s: float) -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+def _connect(
+    url: str, timeout_s: float, context: ssl.SSLContext | None = None
+) -> http.client.HTTPConnection:
+    scheme, _, address = url.partition("://")
+    host, port = address.rsplit(":", 1)
+    if scheme == "https":
+        return http.client.HTTPSConnection(host, int(port), timeout=timeout_s, context=context)
     return http.client.HTTPConnection(host, int(port), timeout=timeout_s)
 
 
@@ -197,6 +217,7 @@ class Cluster:
         self.log_dir = log_dir
         self.model_dir = model_dir
         self.procs: list[Proc] = []
+        self.tls_context: ssl.SSLContext | None = None  # children started from now on use it
 
     def serve(
         self,
@@ -209,8 +230,10 @@ class Cluster:
         dtype: str = "float32",
         args: Iterable[str] = (),
         env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
     ) -> Proc:
         """Start `disagg serve` (one torch thread, a free port); does not wait for it.
+        `preexec` runs in the child before exec (e.g. to set a resource limit).
 
         fp32 unless asked: the e2e tests compare text token for token across runs batched and
         chunked differently (P's prefill in 32-token chunks vs the aggregated one in one), and
@@ -219,7 +242,7 @@ class Cluster:
         argv += ["--port", "0", "--num-threads", "1", "--role", role, "--dtype", dtype]
         if role != "both":
             argv += ["--kv-connector", connector, "--kv-transport", transport, "--kv-host", HOST]
-        return self._spawn(name, [*argv, *args], env)
+        return self._spawn(name, [*argv, *args], env, preexec)
 
     def route(
         self,
@@ -239,7 +262,13 @@ class Cluster:
         self.wait_ready(router)
         return router
 
-    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Proc:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        extra_env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> Proc:
         log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         argv = [sys.executable, "-m", "disagg.cli", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -252,9 +281,9 @@ class Cluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,  # run in the child before exec
+                preexec_fn=lambda: _child_setup(preexec),  # run in the child before exec
             )
-        proc = Proc(name, argv, log_path, popen)
+        proc = Proc(name, argv, log_path, popen, tls_context=self.tls_context)
         self.procs.append(proc)
         return proc
 

@@ -7,9 +7,14 @@ import threading
 import time
 from pathlib import Path
 
+import aiohttp
+import pytest
+
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.async_engine import AsyncEngine
-from disagg.protocol import RequestOutput, SamplingParams
+from disagg.protocol import FinishReason, RequestIdInUseError, RequestOutput, SamplingParams
+from disagg.server.app import make_app, start_server
+from disagg.tokenizer import Tokenizer
 
 SLOW_STEP_S = 0.4
 
@@ -128,3 +133,161 @@ def test_a_dead_loop_fails_every_request_and_exits_the_process(tiny_qwen3_dir: P
     last = asyncio.run(main())
     assert last.error is not None and "engine loop died" in last.error
     assert exits == [70]
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for output in outputs for t in output.new_token_ids]
+
+
+async def _until_forgotten(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
+    """The caller's ids stop resolving once the engine holds nothing under them (leak check)."""
+    deadline = time.monotonic() + timeout_s
+    while engine._engine_ids:
+        assert time.monotonic() < deadline, f"ids still resolve: {engine._engine_ids}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_reused_request_id_never_receives_the_old_requests_output(
+    tiny_qwen3_dir: Path,
+) -> None:
+    """Regression: client A streams as X and hangs up, client B sends X at once. Output queues
+    were keyed by the id alone: A's queue was popped, B's took its place under X, and A's
+    in-flight outputs and its abort landed in B's queue (B got A's tokens and `abort`)."""
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        try:
+            a = engine.generate("X", [5, 6, 7], _params(200))
+            await anext(a)  # (1) A is decoding
+            await engine.abort("X")  # (2) A's client hangs up: the server aborts, then closes
+            await a.aclose()
+            b = [o async for o in engine.generate("X", [8, 9, 10], _params(4))]  # (3) at once
+            alone = [o async for o in engine.generate("Y", [8, 9, 10], _params(4))]
+            await _until_forgotten(engine)  # (4) no id still resolves once the engine let go
+        finally:
+            await engine.shutdown()
+        return b, alone
+
+    b, alone = asyncio.run(main())
+    assert b[-1].finish_reason is FinishReason.LENGTH, b[-1]
+    assert _tokens(b) == _tokens(alone)  # B's own tokens, none of A's
+    assert {o.request_id for o in b} == {"X"}  # the id the caller gave is the one reported
+
+
+def test_a_request_id_still_streaming_is_refused_as_in_use(tiny_qwen3_dir: Path) -> None:
+    """While A's stream is open under X, a second X is refused (the server answers 409); once
+    A has finished, X is free again."""
+
+    async def main() -> list[RequestOutput]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        try:
+            a = engine.generate("X", [5, 6, 7], _params(3))
+            first = await anext(a)
+            with pytest.raises(RequestIdInUseError):
+                await anext(engine.generate("X", [8, 9], _params(2)))
+            rest = [first, *[o async for o in a]]
+            assert rest[-1].finish_reason is FinishReason.LENGTH
+            return [o async for o in engine.generate("X", [8, 9], _params(2))]
+        finally:
+            await engine.shutdown()
+
+    again = asyncio.run(main())
+    assert again[-1].finish_reason is FinishReason.LENGTH and len(_tokens(again)) == 2
+
+
+def _metric(text: str, name: str) -> float:
+    rows = [row for row in text.splitlines() if row.startswith(name + " ")]
+    return float(rows[0].split()[-1]) if rows else 0.0
+
+
+def test_over_http_a_reused_id_gets_its_own_answer(tiny_qwen3_dir: Path) -> None:
+    """The race of test_a_reused_request_id_never_receives_the_old_requests_output through the
+    server: A streams with `X-Request-Id: X` and hangs up, B sends X at once (while the engine
+    loop is still in the step that makes A's next token) and got HTTP 200 with A's tokens and
+    finish_reason abort. B must get its own answer."""
+    aborted = 'disagg_requests_total{finish_reason="abort"}'
+
+    async def main() -> tuple[int, dict, dict]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        app = make_app(engine, Tokenizer.from_dir(tiny_qwen3_dir))
+        runner, port = await start_server(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        step, parked, release = engine.engine.step, threading.Event(), threading.Event()
+
+        def parked_step() -> list[RequestOutput]:
+            parked.set()
+            release.wait(5.0)
+            return step()
+
+        body = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        b_body = {**body, "prompt": [8, 9, 10], "max_tokens": 4}
+        try:
+            async with aiohttp.ClientSession() as session:
+                a = await session.post(url, json={**body, "stream": True},
+                                       headers={"X-Request-Id": "X"})  # fmt: skip
+                await a.content.readline()  # (1) A is decoding
+                engine.engine.step = parked_step
+                assert await asyncio.to_thread(parked.wait, 5.0)  # the loop is inside a step
+                a.close()  # (2) A hangs up; its handler aborts and closes its stream
+                deadline = time.monotonic() + 5.0
+                while _metric(await (await session.get(url.replace("/v1/completions",
+                              "/metrics"))).text(), aborted) < 1:  # fmt: skip
+                    assert time.monotonic() < deadline, "A's handler never ended"
+                    await asyncio.sleep(0.02)
+                b = asyncio.create_task(session.post(url, json=b_body,
+                                                     headers={"X-Request-Id": "X"}))  # fmt: skip
+                await asyncio.sleep(0.2)  # (3) B is submitted while the step still runs
+                engine.engine.step = step
+                release.set()
+                b_resp = await asyncio.wait_for(b, 10.0)
+                b_answer = await b_resp.json()
+                alone = await (await session.post(url, json=b_body)).json()
+        finally:
+            release.set()
+            await runner.cleanup()
+            await engine.shutdown()
+        return b_resp.status, b_answer, alone
+
+    status, b_answer, alone = asyncio.run(main())
+    assert status == 200, b_answer
+    assert b_answer["choices"][0]["finish_reason"] == "length", b_answer
+    assert b_answer["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert b_answer["id"] == "X"
+
+
+def test_over_http_an_id_still_streaming_gets_409(tiny_qwen3_dir: Path) -> None:
+    """A second request under the id of one still streaming is a conflict (409, OpenAI error
+    shape), not a bad request: it is refused without touching the first."""
+
+    async def main() -> tuple[int, dict, list[bytes]]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        app = make_app(engine, Tokenizer.from_dir(tiny_qwen3_dir))
+        runner, port = await start_server(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        headers = {"X-Request-Id": "X"}
+        try:
+            async with aiohttp.ClientSession() as session:
+                a = await session.post(url, json={**body, "stream": True}, headers=headers)
+                await a.content.readline()  # A is streaming
+                b = await session.post(url, json=body, headers=headers)
+                b_answer = await b.json()
+                rest = [line async for line in a.content if line.startswith(b"data: ")]
+        finally:
+            await runner.cleanup()
+            await engine.shutdown()
+        return b.status, b_answer, rest
+
+    status, answer, rest = asyncio.run(main())
+    assert status == 409, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert rest[-1] == b"data: [DONE]\n"
+    assert b'"finish_reason":"length"' in rest[-2]  # A streamed on, untouched

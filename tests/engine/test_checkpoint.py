@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from disagg.engine import checkpoint
 from disagg.engine.checkpoint import ModelSpec, load_weights, resolve_model
+from tests.engine.clear_answers import CLEAR_ANSWERS
 
 torch.set_num_threads(1)
 
@@ -321,35 +322,42 @@ def test_smollm2_converted_dir(smollm2_dir: Path) -> None:
     assert "lm_head.weight" not in weights and spec.tie_word_embeddings
 
 
-def test_smollm2_answers_paris_in_transformers(smollm2_dir: Path) -> None:
+def test_smollm2_answers_in_transformers(smollm2_dir: Path) -> None:
+    """The converted checkpoint still answers, asked a question whose answer is far from any
+    tie (the capital of France opens on one: 0.08 nats in fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    question, answer = CLEAR_ANSWERS[0]
+    chat = [{"role": "user", "content": question}]
     inputs = tokenizer.apply_chat_template(
         chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
-    assert "Paris" in reply, reply
+    assert answer in reply, reply
 
 
-def test_second_resolve_is_fast_and_skips_transformers(smollm2_dir: Path) -> None:
+def test_second_resolve_skips_conversion_and_transformers(smollm2_dir: Path) -> None:
+    """The cached path is fast by what it does not do (convert, or import transformers), not
+    by a time limit, which a loaded machine would break."""
     code = (
-        "import sys, time\n"
-        "from disagg.engine.checkpoint import resolve_model\n"
-        "start = time.monotonic()\n"
-        "path = resolve_model('smollm2-135m')\n"
-        "print(path, time.monotonic() - start, 'transformers' in sys.modules)\n"
+        "import sys\n"
+        "from disagg.engine import checkpoint\n"
+        "def converting(*args):\n"
+        "    raise AssertionError('the second resolve converted again')\n"
+        "checkpoint._convert_locked = converting\n"
+        "path = checkpoint.resolve_model('smollm2-135m')\n"
+        "print(path, 'transformers' in sys.modules)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
-    path, elapsed_s, imported = result.stdout.split()
+    assert result.returncode == 0, result.stderr
+    path, imported = result.stdout.split()
     assert Path(path) == smollm2_dir
-    assert float(elapsed_s) < 1.0
     assert imported == "False"
 
 

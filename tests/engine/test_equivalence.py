@@ -5,7 +5,8 @@ prefix-cache hits and preemption by recompute. Each test ends with the pool back
 In bf16 two correct implementations round differently (fused projections, another GEMM
 kernel, attention's accumulation order), so token-for-token equality is the wrong test there:
 the bf16 tests check that each token we pick is one transformers-in-bf16 also rates near-best
-(see `assert_near_greedy` for the tolerance)."""
+(see `assert_near_greedy` for the tolerance); test_bf16_accuracy holds the default model in
+bf16 to fp32."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.engine import Engine
 from disagg.protocol import SamplingParams
 from disagg.tokenizer import Tokenizer
+from tests.engine.clear_answers import CLEAR_ANSWERS, chat_prompt
 
 
 @functools.lru_cache(maxsize=4)
@@ -138,20 +140,19 @@ def test_preempted_and_resumed_request_matches_transformers(tiny_llama_dir: Path
 
 
 def test_default_model_matches_transformers(default_model_dir: Path) -> None:
-    """The real SmolLM2-135M-Instruct: a chat prompt and a story prompt, batched."""
+    """The real SmolLM2-135M-Instruct: a chat prompt and a story prompt, batched. The chat's
+    answer is checked too: a question whose fp32 answer is far from any tie (clear_answers)."""
     tokenizer = Tokenizer.from_dir(default_model_dir)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
+    question, answer = CLEAR_ANSWERS[0]
     prompts = [
-        tokenizer.encode(chat),
+        chat_prompt(tokenizer, question),
         tokenizer.encode("Once upon a time, there was a little girl named Lily. She"),
     ]
     engine = make_engine(default_model_dir, budget=16)  # chunked: both prompts exceed 16 tokens
     tokens = run_to_end(engine, {0: [("chat", prompts[0], 12)], 1: [("story", prompts[1], 12)]})
     assert tokens["chat"] == hf_greedy(default_model_dir, prompts[0], 12)
     assert tokens["story"] == hf_greedy(default_model_dir, prompts[1], 12)
-    assert "Paris" in tokenizer.decode(tokens["chat"])
+    assert answer in tokenizer.decode(tokens["chat"])
     assert_pool_full(engine)
 
 
@@ -189,20 +190,6 @@ def test_bf16_tokens_are_near_greedy_under_transformers_bf16(
     tokens = run_to_end(engine, arrivals)
     for request_id, prompt, _ in (item for items in arrivals.values() for item in items):
         assert_near_greedy(model_dir, prompt, tokens[request_id])
-    assert_pool_full(engine)
-
-
-def test_bf16_default_model_is_near_greedy_and_still_answers(default_model_dir: Path) -> None:
-    tokenizer = Tokenizer.from_dir(default_model_dir)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
-    prompts = [tokenizer.encode(chat), tokenizer.encode("The three primary colors are")]
-    engine = make_engine(default_model_dir, budget=16, dtype="bfloat16")
-    tokens = run_to_end(engine, {0: [("chat", prompts[0], 12)], 1: [("list", prompts[1], 12)]})
-    assert_near_greedy(default_model_dir, prompts[0], tokens["chat"])
-    assert_near_greedy(default_model_dir, prompts[1], tokens["list"])
-    assert "Paris" in tokenizer.decode(tokens["chat"])
     assert_pool_full(engine)
 
 

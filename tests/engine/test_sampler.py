@@ -35,6 +35,15 @@ def test_top_p_never_draws_outside_the_nucleus():
     assert draws == {0, 1}
 
 
+def test_top_p_below_float32_range_keeps_the_top_token():
+    """Regression: top_p=1e-300 rounds to 0 in float32, every token (the top one too) was
+    dropped and the request failed with "no valid distribution" (HTTP 500)."""
+    logits = torch.randn(3, 1000)
+    for top_p in (1e-300, 5e-324, 1e-45):
+        params = [SamplingParams(temperature=1.0, top_p=top_p)] * 3
+        assert make()(logits, params, [0, 0, 0]) == logits.argmax(dim=-1).tolist()
+
+
 def test_seed_fixes_each_position_regardless_of_batch_and_history():
     logits = torch.randn(1, 1000)
     params = SamplingParams(temperature=1.0, seed=42)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -10,14 +11,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, KVTransferConfig
+from disagg.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from disagg.engine.block_pool import BlockPool
+from disagg.engine.kv_connector import KVConnectorMeta, KVSend
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
+from disagg.engine.scheduler import Scheduler
 from disagg.kv.pull import PullScheduler, PullWorker
-from disagg.protocol import KVTransferParams, SamplingParams
+from disagg.protocol import KV_RELEASE_PATH, KVTransferParams, SamplingParams
 
 
-def _connector(setup: str, policy: str = "fail") -> tuple[PullWorker, np.ndarray]:
+def _connector(
+    setup: str, policy: str = "fail", role: str = "decode"
+) -> tuple[PullWorker, np.ndarray]:
     buffer = np.zeros(8 * 1024, np.uint8)
     runner = SimpleNamespace(
         kv_base_addr=buffer.ctypes.data,
@@ -36,7 +42,7 @@ def _connector(setup: str, policy: str = "fail") -> tuple[PullWorker, np.ndarray
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=8),
         kv_transfer=KVTransferConfig(
-            role="decode",
+            role=role,
             connector="pull",
             transport="local",
             cluster_token="t" * 16,
@@ -124,5 +130,48 @@ def test_a_failed_read_carries_the_deployments_policy(policy: str) -> None:
         _receive(connector, _request(lease_s=30.0, age_s=0.0))
         failure = _failed(connector).failed["r"]
         assert failure.recompute is (policy == "recompute")
+    finally:
+        connector.close()
+
+
+def test_a_release_that_overtakes_its_lease_ends_the_lease_at_once() -> None:
+    """Prefill side. Regression: the router releases a lease as soon as its client leaves
+    during the P leg, which can be while P's loop is still in the step that finishes the
+    prefill; the release found no lease, and the lease made a moment later held its blocks
+    until it expired (30 s by default)."""
+    connector, _ = _connector("background", role="prefill")
+    try:
+        release = connector.side_channel()[KV_RELEASE_PATH]
+        asyncio.run(release({"request_id": "r#1"}))  # (1) before the lease exists
+        send = KVSend("r#1", (0, 1), 3, KVTransferParams(do_remote_decode=True))
+        connector.start_load(KVConnectorMeta(sends=[send]))  # (2) the finished prefill
+        assert connector.get_finished().finished_sending == {"r#1"}  # freed in this step
+        assert not connector.blocks_in_use() and not connector.has_pending()
+    finally:
+        connector.close()
+
+
+def test_a_decode_request_aborted_before_its_read_releases_the_prefill_lease() -> None:
+    """Decode side. Regression: a request aborted while it still waited for blocks or a seat
+    (its client left at once) never had a READ set up and told P nothing: P held the prompt's
+    blocks until the lease expired (found by hanging up clients at the handoff)."""
+    connector, _ = _connector("background")
+    posted: list[tuple[str, dict[str, object]]] = []
+    connector._post_quietly = lambda url, body: posted.append((url, body))  # type: ignore[method-assign]
+    try:
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64),
+            BlockPool(8),
+            4,
+            connector=PullScheduler(4, connector.identity, lease_s=30.0),
+        )
+        scheduler.add_request(_request(lease_s=30.0, age_s=0.0))
+        assert scheduler.abort("r", time.monotonic())  # (1) before it was ever scheduled
+        connector.start_load(scheduler.take_kv_meta())  # (2) what the engine hands the worker
+        deadline = time.monotonic() + 5.0
+        while not posted:
+            assert time.monotonic() < deadline, "P was never told"
+            time.sleep(0.005)
+        assert posted == [(f"http://127.0.0.1:1{KV_RELEASE_PATH}", {"request_id": "r"})]
     finally:
         connector.close()

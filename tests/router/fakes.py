@@ -78,10 +78,13 @@ class FakeInstance:
     load: dict[str, int] = field(default_factory=dict)
     kv_info: dict[str, Any] = field(default_factory=dict)
     health_status: int = 200
+    load_delay_s: float = 0.0  # /load answers this late (a busy instance)
     received: list[Received] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # request ids of POST /kv/release
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # first generate request
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    probed: asyncio.Event = field(default_factory=asyncio.Event)  # set by every GET /health
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -90,6 +93,7 @@ class FakeInstance:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/abort", self._abort)
+        app.router.add_post("/kv/release", self._release)
         app.router.add_get("/health", self._health)
         app.router.add_get("/load", self._load)
         app.router.add_get("/kv_info", self._kv_info)
@@ -105,6 +109,13 @@ class FakeInstance:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    async def die_between_probes(self) -> None:
+        """Stop right after the router's health probe: until its next probe (0.5 s) the router
+        still takes us for healthy, so the next leg it sends us is refused (a crash)."""
+        self.probed.clear()
+        await asyncio.wait_for(self.probed.wait(), WAIT_S)
+        await self.stop()
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -118,10 +129,16 @@ class FakeInstance:
         self.aborted.set()
         return web.json_response({})
 
+    async def _release(self, request: web.Request) -> web.Response:
+        self.releases.append((await request.json())["request_id"])
+        return web.json_response({})
+
     async def _health(self, _request: web.Request) -> web.Response:
+        self.probed.set()
         return web.Response(status=self.health_status)
 
     async def _load(self, _request: web.Request) -> web.Response:
+        await asyncio.sleep(self.load_delay_s)
         base = {"num_running": 0, "num_waiting": 0, "num_free_blocks": 100}
         return web.json_response(
             {**base, "num_total_blocks": 100, "num_queued_prefill_tokens": 0, **self.load}

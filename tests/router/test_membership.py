@@ -21,7 +21,7 @@ async def post(url: str, path: str, body: Any, *, token: str | None = ROUTER_TES
     data = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if token is not None:
-        headers[auth.SIGNATURE_HEADER] = auth.sign(token, "POST", path, data)
+        headers[auth.SIGNATURE_HEADER] = auth.sign(token, "POST", url + path, data).header
     async with aiohttp.ClientSession() as session:
         async with session.post(url + path, data=data, headers=headers) as resp:
             return resp.status

@@ -8,6 +8,7 @@ a fake engine, then through the router.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -276,3 +277,70 @@ def test_router_unexpected_exception_is_500_json(monkeypatch: pytest.MonkeyPatch
         assert "bug" not in error["message"]
 
     with_client(router_app(), test)
+
+
+# ---- an Authorization header that is not ASCII --------------------------------------------------
+
+ODD_AUTHORIZATIONS = {
+    "utf-8 key": "Bearer ключ".encode(),
+    "latin-1 key": "Bearer clé".encode("latin-1"),
+    "invalid utf-8": b"Bearer \xff\xfe",
+    "utf-8 scheme": "Бearer sk-edge".encode(),
+}
+API_KEY = "sk-edge"
+
+
+async def post_with_authorization(client: TestClient, authorization: bytes) -> tuple[int, Any]:
+    """POST /v1/completions with this Authorization header written as raw bytes (HTTP clients
+    will not encode such a value); (status, JSON body)."""
+    server = client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nAuthorization: %s\r\n\r\n"
+    ) % (len(body), authorization)
+    writer.write(head + body)
+    raw = await reader.read()
+    writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("authorization", ODD_AUTHORIZATIONS.values(), ids=list(ODD_AUTHORIZATIONS))
+def test_non_ascii_authorization_is_401_not_500(tokenizer: Tokenizer, authorization: bytes) -> None:
+    """Regression: hmac.compare_digest raised TypeError on a non-ASCII key (HTTP 500 with a
+    traceback) on the instance and on the router. Now a wrong key like any other: 401."""
+    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    apps = {
+        "instance": lambda: make_instance_app(engine, tokenizer, api_key=API_KEY),
+        "router": lambda: make_router_app(
+            RouterConfig(
+                host="127.0.0.1", port=0, decode_urls=("http://127.0.0.1:9",), api_key=API_KEY
+            )
+        ),
+    }
+
+    async def test(client: TestClient) -> None:
+        status, body = await post_with_authorization(client, authorization)
+        assert status == 401, body
+        assert body["error"]["type"] == "invalid_request_error"
+
+    for app in apps.values():
+        with_client(app, test)
+    assert engine.submitted == []
+
+
+def test_non_ascii_authorization_through_an_open_router_is_not_500() -> None:
+    """A router without a key of its own forwards the header to the instance: it arrives there
+    unchanged (the instance decides), or the router refuses it; never a 500."""
+    fake = FakeInstance("both")
+
+    async def main() -> None:
+        async with running(fake) as (url,):
+            async with TestClient(TestServer(router_app(url)())) as client:
+                for authorization in ODD_AUTHORIZATIONS.values():
+                    status, body = await post_with_authorization(client, authorization)
+                    assert status == 200 or 400 <= status < 500, body
+
+    run_async(main(), timeout_s=60)

@@ -289,9 +289,12 @@ def _post(
         **(_bearer() if bearer else {}),
         **(headers or {}),
     }
+    url = f"{proc.url}{path}"
     if signed or token:
-        headers[auth.SIGNATURE_HEADER] = auth.sign(token or CLUSTER_TOKEN, "POST", path, data)
-    return requests.post(f"{proc.url}{path}", data=data, headers=headers, timeout=60)
+        signature = auth.sign(token or CLUSTER_TOKEN, "POST", url, data,
+                              request_id=headers.get("X-Request-Id", ""))  # fmt: skip
+        headers[auth.SIGNATURE_HEADER] = signature.header
+    return requests.post(url, data=data, headers=headers, timeout=60)
 
 
 def _abort(proc: Proc, request_id: str) -> None:

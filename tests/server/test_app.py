@@ -31,10 +31,12 @@ def _post(
 ) -> requests.Response:
     """POST; `signed` makes it a cluster call, as the router sends legs and aborts."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    url = f"{server.url}{path}"
     if signed:
-        signature = auth.sign(CLUSTER_TOKEN, "POST", path, data)
-        kwargs["headers"] = {**kwargs.get("headers", {}), auth.SIGNATURE_HEADER: signature}
-    return requests.post(f"{server.url}{path}", data=data, timeout=10, **kwargs)
+        request_id = kwargs.get("headers", {}).get("X-Request-Id", "")
+        signature = auth.sign(CLUSTER_TOKEN, "POST", url, data, request_id=request_id)
+        kwargs["headers"] = {**kwargs.get("headers", {}), auth.SIGNATURE_HEADER: signature.header}
+    return requests.post(url, data=data, timeout=10, **kwargs)
 
 
 def _sse(response: requests.Response) -> list[Any]:
@@ -71,7 +73,7 @@ def test_completion_defaults_and_sampling_fields(serve: Serve) -> None:
     sp = engine.submitted[0].sampling
     assert engine.submitted[0].prompt_token_ids == [5, 6, 7]
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (16, 0.0, 0.5, None, 3)
-    assert (sp.ignore_eos, sp.min_tokens, sp.stop_token_ids) == (True, 2, (9,))
+    assert (sp.ignore_eos, sp.min_tokens, sp.stop_token_ids) == (True, 2, frozenset({9}))
     assert out.choices[0].finish_reason == "stop"
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 from disagg.protocol import FinishReason, RequestOutput
-from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.server.output_processor import OutputProcessor, TextDelta, _StopMatcher
 from disagg.tokenizer import Tokenizer
 
 
@@ -69,3 +71,28 @@ def test_error_finish_carries_message(tokenizer: Tokenizer) -> None:
     out = RequestOutput("r", [], FinishReason.ERROR, error="transfer failed")
     step = proc.process(out)
     assert (step.finish_reason, step.error) == ("error", "transfer failed")
+
+
+def test_stop_matcher_agrees_with_a_naive_scan() -> None:
+    """Random texts over a two-letter alphabet, fed in random chunks, against random stop
+    strings (overlapping prefixes are the hard case for an incremental matcher): the matcher's
+    held length and earliest stop equal those of rescanning the whole text every time."""
+    rng = random.Random(0)
+    for _ in range(500):
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(3)]
+        matcher, text = _StopMatcher(stop), ""
+        while len(text) < 40:
+            chunk = "".join(rng.choice("ab") for _ in range(rng.randint(0, 4)))
+            start = matcher.feed(chunk)
+            text += chunk
+            hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+            if hits:
+                assert start == min(hits) - (len(text) - len(chunk)), (stop, text, chunk)
+                break
+            assert start is None
+            assert matcher.num_held_chars == _naive_held(text, stop), (stop, text)
+
+
+def _naive_held(text: str, stop: list[str]) -> int:
+    """Longest end of `text` that is a proper prefix of some stop string."""
+    return max((k for s in stop for k in range(len(s)) if text.endswith(s[:k])), default=0)

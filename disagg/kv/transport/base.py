@@ -96,3 +96,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every resource; later calls raise TransportError."""
+
+    @property
+    def num_refused_connections(self) -> int:
+        """Connections from peers turned away at this transport's cap (0: no cap of ours)."""
+        return 0

@@ -1,6 +1,7 @@
 """TCP transport: the pure-Python fallback for hosts without NIXL, same semantics.
 
-Owns a listener thread (one server thread per accepted connection) that serves READ/WRITE/NOTIF
+Owns a listener thread (one server thread per accepted connection, at most max_num_connections
+at once: past that a connection is hung up on, logged and counted) that serves READ/WRITE/NOTIF
 requests against the registered buffer, but only after tcp_auth.py's handshake admitted the
 peer (same shared secret, or none on both sides); tcp_link.py does the initiator's socket I/O on
 one worker per peer, so post() never blocks; tcp_wire.py is the frame format. A failure turns the
@@ -38,12 +39,18 @@ __all__ = ["TcpTransport"]
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"DKVT"
+# Each peer's link keeps one connection to us, so a cluster needs about one per peer; the cap
+# bounds the serving threads a flood of connections (silent ones held through the handshake's
+# timeout) could start.
+MAX_NUM_CONNECTIONS = 256
+_LOG_REFUSAL_EVERY = 100  # a flood must not flood the log too: the first, then every 100th
 
 
 class TcpTransport(Transport):
     """KV blocks over plain TCP sockets; the listener starts at construction so notifications
     can arrive before register(). With a `secret`, only peers holding the same one are served
-    or sent to; None (or "") means no handshake proof, and then peers must have none either."""
+    or sent to; None (or "") means no handshake proof, and then peers must have none either.
+    At most `max_num_connections` accepted connections are served at once."""
 
     def __init__(
         self,
@@ -52,9 +59,14 @@ class TcpTransport(Transport):
         host: str = "127.0.0.1",
         io_timeout_s: float = 10.0,
         secret: str | None = None,
+        max_num_connections: int = MAX_NUM_CONNECTIONS,
     ) -> None:
+        if max_num_connections <= 0:
+            raise ValueError(f"max_num_connections must be > 0, got {max_num_connections}")
         self.name = name
         self.io_timeout_s = io_timeout_s  # bounds every connect/send/recv on both sides
+        self.max_num_connections = max_num_connections
+        self._num_refused = 0  # connections hung up on at the cap; only the accept thread writes
         self._secret = secret or None  # an empty key proves nothing: treat it as none
         self._lock = threading.Lock()
         self._region: Region | None = None
@@ -184,24 +196,48 @@ class TcpTransport(Transport):
 
     # ---- serving (target) -----------------------------------------------------------------
 
+    @property
+    def num_refused_connections(self) -> int:
+        return self._num_refused
+
+    @property
+    def num_open_connections(self) -> int:
+        """Accepted connections being served now (in their handshake or after it)."""
+        with self._lock:
+            return len(self._server_socks)
+
     def _accept_loop(self) -> None:
         while True:
             try:
                 sock, addr = self._listener.accept()
             except OSError:  # close() shut the listener down
                 return
-            # the handshake runs on the new thread: a silent client must not stall accept()
-            thread = threading.Thread(
-                target=self._serve, args=(sock, addr), name=f"kv-tcp-serve-{self.name}", daemon=True
-            )
             with self._lock:
                 if self._is_closed:
                     sock.close()
                     return
-                self._server_socks.add(sock)
-                self._server_threads = [t for t in self._server_threads if t.is_alive()]
-                self._server_threads.append(thread)
-            thread.start()
+                thread = None
+                if len(self._server_socks) < self.max_num_connections:
+                    # the handshake runs on the new thread: a silent client must not stall us
+                    name = f"kv-tcp-serve-{self.name}"
+                    thread = threading.Thread(
+                        target=self._serve, args=(sock, addr), name=name, daemon=True
+                    )
+                    self._server_socks.add(sock)
+                    self._server_threads = [t for t in self._server_threads if t.is_alive()]
+                    self._server_threads.append(thread)
+            if thread is None:
+                self._refuse(sock, addr)
+            else:
+                thread.start()
+
+    def _refuse(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        sock.close()
+        self._num_refused += 1
+        if self._num_refused % _LOG_REFUSAL_EVERY == 1:
+            logger.warning("%s: refused a KV connection from %s:%s: %d open, the most served "
+                           "at once (%d refused so far)", self.name, addr[0], addr[1],
+                           self.max_num_connections, self._num_refused)  # fmt: skip
 
     def _serve(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         try:
