@@ -61,6 +61,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # engine id -> open stream
+        self._open: dict[str, str] = {}  # caller's id -> engine id of its open stream
         # Caller's id -> engine id of its latest submission, while the engine may hold it (also
         # after its stream ended: a lease a peer may read). Asyncio side only.
         self._engine_ids: dict[str, str] = {}
@@ -117,7 +118,7 @@ class AsyncEngine:
         engine_id = f"{request_id}#{next(self._num_submitted)}"
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[engine_id] = outputs
-        self._engine_ids[request_id] = engine_id
+        self._open[request_id] = self._engine_ids[request_id] = engine_id
         # Stamped here, not when the loop thread drains the command after its current step.
         submitted_s = time.monotonic()
         self._send("add", (engine_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
@@ -129,12 +130,13 @@ class AsyncEngine:
                 yield dataclasses.replace(output, request_id=request_id)
         finally:
             self._queues.pop(engine_id, None)
+            del self._open[request_id]
             if not finished:
                 self._send("abort", engine_id)  # the caller went away mid-request
 
     async def abort(self, request_id: str) -> None:
         """Abort the latest submission under the caller's id (an unknown id is a no-op)."""
-        engine_id = self._engine_ids.get(request_id)
+        engine_id = self._open.get(request_id, self._engine_ids.get(request_id))
         if engine_id is not None:
             self._send("abort", engine_id)
 
@@ -188,7 +190,7 @@ class AsyncEngine:
         caller_id = request_id.rpartition("#")[0]
         if caller_id and self._engine_ids.get(caller_id) == request_id:
             return request_id
-        return self._engine_ids.get(request_id, request_id)
+        return self._open.get(request_id, self._engine_ids.get(request_id, request_id))
 
     def _validate(
         self,
@@ -199,7 +201,7 @@ class AsyncEngine:
     ) -> None:
         if self._dead is not None:
             raise EngineOverloadedError(f"engine is dead: {self._dead}")
-        if self._engine_ids.get(request_id) in self._queues:
+        if request_id in self._open:
             raise RequestIdInUseError(
                 f"request id {request_id!r} is in use by a request still running"
             )
