@@ -2,7 +2,7 @@
 `max_queued` more wait for a slot in arrival order, each for at most `timeout_s`. Refusals are
 RouteErrors in OpenAI's shape: 429 when the queue is full, 503 when a wait runs out.
 
-Must not route or proxy (app.py); it only counts slots.
+Must not route or proxy (flows.py, legs.py); it only counts slots.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 serve it takes no work for `cooldown_s`; then one leg probes it (half-open), and served closes
 the breaker again while failed opens it for another cooldown.
 
-Pure: time is passed in. Must not decide what a failure is (app.py) nor pick instances.
+Pure: time is passed in. Must not decide what a failure is (legs.py) nor pick instances.
 """
 
 from __future__ import annotations

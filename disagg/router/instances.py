@@ -1,9 +1,9 @@
 """Typed records of the instances behind the router, and the background task that keeps them fresh.
 
 Owns each instance's health (`/health`), load (`/load`), KV identity (`/kv_info`) and circuit
-breaker (fed each leg's outcome by app.py), the live membership (instances named on the command
+breaker (fed each leg's outcome by legs.py), the live membership (instances named on the command
 line, plus those that register themselves and keep heartbeating), and turns a policy's choice
-into an `Instance`. Must not proxy requests (app.py) nor rank instances (policy.py).
+into an `Instance`. Must not proxy requests (legs.py) nor rank instances (policy.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`disagg route`: flags -> RouterConfig -> the router app, served until SIGINT or SIGTERM.
 
-Owns the command line and the process lifetime only; the flows live in app.py. Never imports torch.
+Owns the command line and the process lifetime only; the flows are in flows.py. Never imports torch.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ removes it once drained. Both must be signed with the cluster token for this rou
 listen host or `--advertise-url`, see disagg.call_guard) and are accepted once, as instances
 check the router's calls: an unsigned caller could otherwise add itself to the pool and
 receive clients' prompts, and a recorded "draining" or deregister, sent again, would keep an
-instance out of it. Answers are signed over the call. Must not route requests (app.py) nor
+instance out of it. Answers are signed over the call. Must not route requests (flows.py) nor
 probe instances (instances.py).
 """
 

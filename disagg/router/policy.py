@@ -1,7 +1,7 @@
 """Routing policies: choose one instance of a role from plain records of health and load.
 
 Pure: no I/O, no clocks, no aiohttp. The app builds `InstanceView`s from live records and
-asks a policy for an index; polling and HTTP live in `instances.py` and `app.py`.
+asks a policy for an index; polling and HTTP live in `instances.py` and `legs.py`.
 """
 
 from __future__ import annotations

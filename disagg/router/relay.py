@@ -1,7 +1,7 @@
 """What the client gets back: OpenAI error shapes, SSE framing, the TTFT breakdown merge, and the
 relay of an instance's answer to the client, event by event as it arrives.
 
-Must not choose instances nor send legs (app.py), and never buffers a stream.
+Must not choose instances nor send legs (legs.py), and never buffers a stream.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One client request's retry budget: how many more times a leg that never reached its instance
 may be sent again, and how long to wait first (exponential backoff, capped).
 
-Pure: it counts and computes waits; app.py sleeps and resends. Must not decide what may be
+Pure: it counts and computes waits; legs.py sleeps and resends. Must not decide what may be
 retried (only legs that never reached an instance, before any byte went to the client).
 """
 

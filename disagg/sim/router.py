@@ -1,4 +1,4 @@
-"""The simulated router: the three flows of `router/app.py` on the virtual clock, choosing
+"""The simulated router: the three flows of `router/flows.py` on the virtual clock, choosing
 instances with the real `router/policy.py` from the instances' live `load()`.
 
 - aggregated: one leg to a `both` instance.

@@ -1,0 +1,140 @@
+"""The push flow: P and D chosen together and sent their legs at once, P writing into D's blocks.
+
+Owns forming a pair (a fresh transfer id naming both), relaying D's stream while P's answer is
+still on its way, and ending the pair so that neither leg outlives the request. Must not send
+a leg itself (legs.py) nor choose a flow (flows.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from disagg.router.call import Call, push_params
+from disagg.router.instances import Instance, InstancePool
+from disagg.router.legs import Legs, consume
+from disagg.router.relay import Relayed, RouteError, breakdown_of
+from disagg.router.retry import RetryBudget
+
+__all__ = ["PushFlow"]
+
+PREFILL_ANSWER_GRACE_S = 2.0  # push: D is done; how long its final chunk waits for P's breakdown
+
+
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    """Push: both legs of one attempt, in flight."""
+
+    prefill: Instance
+    decode: Instance
+    p_task: asyncio.Task[dict[str, Any]]  # P's leg, to its JSON answer
+    d_task: asyncio.Task[aiohttp.ClientResponse]  # D's leg, to its response headers
+    sent_s: float  # monotonic, when both legs went out: D's leg is timed from it
+
+
+class PushFlow:
+    """One pair at a time; a pair whose leg never reached its instance is formed anew."""
+
+    def __init__(self, legs: Legs, pool: InstancePool) -> None:
+        self.legs = legs
+        self.pool = pool
+
+    async def run(self, call: Call, retries: RetryBudget) -> Relayed:
+        """A leg that never reached its instance fails the pair (P and D name each other): the
+        pair is formed anew from fresh picks, under a fresh transfer id and a fresh request id
+        (the first pair's legs are aborted under theirs)."""
+        attempt = call
+        while True:
+            try:
+                return await self._run_pair(attempt)
+            except RouteError as exc:
+                wait_s = self.legs.retry_wait(call, exc, retries)
+                if wait_s is None:
+                    raise
+            await asyncio.sleep(wait_s)
+            attempt = call.retry(f"{call.request_id}-retry{retries.num_retries}")
+
+    async def _run_pair(self, call: Call) -> Relayed:
+        """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
+        pair = await self._send_pair(call)
+        try:
+            d_resp = await _first_response(pair.d_task, pair.p_task)
+            relayed = await self._relay(call, pair, d_resp)
+        except RouteError as exc:
+            self._end_pair(call, pair, exc, is_ok=False)
+            raise
+        except BaseException:  # cancelled: the client left or the router is stopping
+            self._end_pair(call, pair, None, is_ok=False)
+            raise
+        is_ok = relayed.status < 400
+        self._end_pair(call, pair, None if is_ok else relayed.error, is_ok=is_ok)
+        return relayed
+
+    async def _send_pair(self, call: Call) -> _Pair:
+        prefill, decode = self.legs.pick("prefill"), self.pool.pick("decode")
+        info = await self.legs.kv_identity(prefill, "prefill")
+        d_info = await self.legs.kv_identity(decode, "decode")
+        assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable
+        p_params, d_params = push_params(
+            uuid.uuid4().hex, info.engine_id, info.kv_host, info.kv_port, d_info.engine_id
+        )
+        sent_s = time.monotonic()
+        p_task = asyncio.create_task(self.legs.prefill(prefill, call, p_params))
+        d_body = call.body_with(d_params)
+        d_task = asyncio.create_task(self.legs.send(decode, call, d_body, "decode"))
+        return _Pair(prefill, decode, p_task, d_task, sent_s)
+
+    async def _relay(self, call: Call, pair: _Pair, d_resp: aiohttp.ClientResponse) -> Relayed:
+        """D's answer to the client, P's breakdown merged in; P failing ends D's read."""
+        p_task = pair.p_task
+
+        def fail_decode_read(task: asyncio.Task[dict[str, Any]]) -> None:
+            # P failed while D's answer is being read: wake the reader with P's error.
+            if not task.cancelled() and isinstance(task.exception(), RouteError):
+                d_resp.content.set_exception(task.exception())  # type: ignore[arg-type]
+
+        async def prefill_breakdown() -> dict[str, Any] | None:
+            await asyncio.wait({p_task}, timeout=PREFILL_ANSWER_GRACE_S)
+            if p_task.done() and not p_task.cancelled() and p_task.exception() is None:
+                return breakdown_of(p_task.result())
+            return None
+
+        p_task.add_done_callback(fail_decode_read)
+        try:
+            return await self.legs.respond(call, d_resp, "decode", pair.sent_s, prefill_breakdown)
+        finally:
+            p_task.remove_done_callback(fail_decode_read)
+
+    def _end_pair(self, call: Call, pair: _Pair, error: RouteError | None, *, is_ok: bool) -> None:
+        """Make sure neither leg outlives the request: abort the one that did not fail."""
+        p_task, d_task = pair.p_task, pair.d_task
+        if error is not None and error.leg == "prefill":
+            d_task.cancel()
+            self.legs.abort(pair.decode, call.request_id)
+        elif not is_ok:  # D failed, the client left, or the handler was cancelled
+            p_task.cancel()
+            d_task.cancel()  # before D's headers: dropping the connection aborts it on D
+            self.legs.abort(pair.prefill, call.request_id)
+        if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+            d_task.result().close()  # no-op once relayed; else frees a response nobody reads
+        elif not d_task.done():
+            self.legs.keep(d_task)  # being cancelled: let it finish with the other background work
+        if p_task.done():
+            consume(p_task)
+        else:  # D is done and P's answer is still on its way, or P is being cancelled
+            self.legs.keep(p_task)
+
+
+async def _first_response(
+    d_task: asyncio.Task[aiohttp.ClientResponse], p_task: asyncio.Task[dict[str, Any]]
+) -> aiohttp.ClientResponse:
+    """D's response headers, unless P fails first (then P's RouteError)."""
+    done, _ = await asyncio.wait({d_task, p_task}, return_when=asyncio.FIRST_COMPLETED)
+    if d_task not in done:
+        p_task.result()  # raises P's error; if P succeeded, keep waiting for D
+    return await d_task
