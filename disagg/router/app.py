@@ -24,7 +24,7 @@ from prometheus_client import (
 from disagg.config import HEADER_TIMEOUT_S, RouterConfig
 from disagg.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.router.admission import Admission
-from disagg.router.call import parse_call
+from disagg.router.call import make_body_parser, parse_call
 from disagg.router.flows import Flows
 from disagg.router.instances import InstancePool
 from disagg.router.legs import CONNECT_TIMEOUT_S, Legs
@@ -55,14 +55,17 @@ class Router:
         self.metrics.queued.set_function(lambda: self.admission.num_queued)
         self.legs = Legs(cfg, self.pool, self.metrics)
         self.flows = Flows(cfg, self.legs, self.pool, self.metrics)
+        self.body_parser = make_body_parser()
 
     async def startup(self, _app: web.Application) -> None:
         self.legs.start()
+        self.body_parser.start()
         await self.pool.start(self.legs.session)
 
     async def cleanup(self, _app: web.Application) -> None:
         await self.pool.close()
         await self.legs.close()
+        self.body_parser.close()
 
     # ---- handlers -------------------------------------------------------------------------
 
@@ -75,7 +78,8 @@ class Router:
     async def _generate(self, request: web.Request, id_prefix: str) -> web.StreamResponse:
         status, request_id = 500, f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            call = await parse_call(request, request_id, self.cfg.max_prompt_chars or None)
+            max_prompt_chars = self.cfg.max_prompt_chars or None
+            call = await parse_call(request, request_id, max_prompt_chars, self.body_parser)
             async with self.admission.slot():  # held until relayed
                 relayed = await self.flows.dispatch(call)
             status = relayed.status

@@ -14,20 +14,26 @@ from typing import Any
 from aiohttp import web
 
 from disagg.protocol import KVTransferParams
+from disagg.router.body_parser import INLINE_PARSE_BYTES, BodyParser, Refusal
 from disagg.router.relay import RouteError
 from disagg.server.openai_api import (
     APIError,
+    check_body_size,
     check_prompt_size,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
 )
 
-__all__ = ["Call", "kv_params", "parse_call", "prefill_body", "push_params"]
-
-# Bigger bodies are parsed and checked on a worker thread: the walk over a multi-MB body holds
-# the GIL in bytecode, which lets the event loop (other clients' streams) in between.
-_INLINE_PARSE_BYTES = 256 * 1024
+__all__ = [
+    "Call",
+    "checked_body",
+    "kv_params",
+    "make_body_parser",
+    "parse_call",
+    "prefill_body",
+    "push_params",
+]
 
 
 @dataclass(slots=True)
@@ -87,38 +93,54 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _check_request(path: str, body: dict[str, Any], max_prompt_chars: int | None) -> None:
-    """The checks that need neither tokenizer nor engine, before any leg is sent: a request an
-    instance would refuse must not cost a prefill and a held lease first."""
-    parse = parse_chat_request if path.endswith("/chat/completions") else parse_completion_request
-    try:
-        parsed = parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
-        check_prompt_size(parsed, max_prompt_chars)
-    except APIError as exc:
-        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
-
-
-def _parse_body(raw: bytes, path: str, max_prompt_chars: int | None) -> dict[str, Any]:
-    try:
-        body = parse_json_body(raw)
-    except APIError as exc:  # not JSON, not an object, too deep, lone surrogate, 1e309
-        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
+def checked_body(raw: bytes, path: str, max_prompt_chars: int | None) -> dict[str, Any]:
+    """The client's JSON body after the checks that need neither tokenizer nor engine, before
+    any leg is sent: a request an instance would refuse must not cost a prefill and a held
+    lease first. Raises APIError. Module-level: the body parser's worker process runs it."""
+    check_body_size(len(raw), max_prompt_chars, path)
+    body = parse_json_body(raw)  # not JSON, not an object, too deep, lone surrogate, 1e309
     if not isinstance(body.get("stream", False), bool):
-        raise RouteError.of(400, "stream must be a boolean")
-    _check_request(path, body, max_prompt_chars)
+        raise APIError(400, "stream must be a boolean", param="stream")
+    parse = parse_chat_request if path.endswith("/chat/completions") else parse_completion_request
+    parsed = parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
+    check_prompt_size(parsed, max_prompt_chars)
     return body
 
 
+def refusal_of(exc: Exception) -> Refusal | None:
+    """An APIError as a picklable refusal (None for any other error: a bug, raised as is)."""
+    return (exc.status, exc.message, exc.param) if isinstance(exc, APIError) else None
+
+
+def api_error_of(refusal: Refusal) -> APIError:
+    status, message, param = refusal
+    return APIError(status, message, param=param)
+
+
+def make_body_parser() -> BodyParser:
+    """The router's parser of client bodies (start() it with the app)."""
+    return BodyParser(checked_body, refusal_of, api_error_of)
+
+
 async def parse_call(
-    request: web.Request, request_id: str, max_prompt_chars: int | None = None
+    request: web.Request,
+    request_id: str,
+    max_prompt_chars: int | None = None,
+    parser: BodyParser | None = None,
 ) -> Call:
     """The client's request, checked (RouteError when it is refused). Text and chat prompts
-    over `max_prompt_chars` characters (None: no bound) are refused before any leg."""
+    over `max_prompt_chars` characters (None: no bound) are refused before any leg. Without
+    a started `parser`, a big body is parsed on a thread (holding the GIL meanwhile)."""
     raw = await request.read()
-    if len(raw) > _INLINE_PARSE_BYTES:
-        body = await asyncio.to_thread(_parse_body, raw, request.path, max_prompt_chars)
-    else:
-        body = _parse_body(raw, request.path, max_prompt_chars)
+    try:
+        if parser is not None:
+            body = await parser.parse(raw, request.path, max_prompt_chars)
+        elif len(raw) > INLINE_PARSE_BYTES:
+            body = await asyncio.to_thread(checked_body, raw, request.path, max_prompt_chars)
+        else:
+            body = checked_body(raw, request.path, max_prompt_chars)
+    except APIError as exc:
+        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
     if "kv_transfer_params" in body:
         # They name blocks and peers: only the router sets them, on the legs it sends.
         raise RouteError.of(

@@ -28,6 +28,7 @@ from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
 from disagg.server.openai_api import (
     APIError,
     GenerateRequest,
+    check_body_size,
     check_prompt_size,
     error_body,
     make_sampling_params,
@@ -242,7 +243,7 @@ class _Server:
 
     async def _generate(self, request: web.Request, parse: Parse) -> web.StreamResponse:
         arrival_s = time.monotonic()
-        req = await self._parse(await request.read(), parse)
+        req = await self._parse(await request.read(), request.path, parse)
         if req.kv_transfer_params is not None and not is_cluster_call(request):
             raise APIError(
                 403,
@@ -277,10 +278,12 @@ class _Server:
             return await self._stream(request, run, submit)
         return await self._complete(run, submit)
 
-    async def _parse(self, raw: bytes, parse: Parse) -> GenerateRequest:
+    async def _parse(self, raw: bytes, path: str, parse: Parse) -> GenerateRequest:
         """Body -> validated request whose prompt is small enough to tokenize. A big body is
         parsed on a worker thread: walking a long token-id list holds the GIL, in bytecode
-        that lets the event loop in between."""
+        that lets the event loop in between. A body too big to hold an acceptable prompt is
+        refused unparsed: json.loads holds the GIL (and stalls the engine loop) throughout."""
+        check_body_size(len(raw), self.max_prompt_chars, path)
         if len(raw) > _INLINE_PARSE_BYTES:
             return await asyncio.to_thread(self._parse_now, raw, parse)
         return self._parse_now(raw, parse)

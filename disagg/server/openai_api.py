@@ -24,6 +24,8 @@ __all__ = [
     "PROMPT_CHARS_PER_TOKEN",
     "APIError",
     "GenerateRequest",
+    "body_byte_limit",
+    "check_body_size",
     "check_prompt_size",
     "error_body",
     "make_sampling_params",
@@ -373,6 +375,31 @@ def resolve_max_tokens(request: GenerateRequest, num_prompt_tokens: int, max_mod
 def prompt_char_limit(max_model_len: int) -> int:
     """The default bound on a prompt's characters for a context of `max_model_len` tokens."""
     return max_model_len * PROMPT_CHARS_PER_TOKEN
+
+
+# JSON spends at most 12 bytes on one character (an astral character as two \\u escapes),
+# and a message's 16-character charge covers its braces and role: a body that passes
+# check_prompt_size is under this many bytes, plus its other fields' share.
+_BODY_BYTES_PER_PROMPT_CHAR = 12
+_BODY_BYTES_BESIDE_PROMPT = 1024 * 1024
+
+
+def body_byte_limit(max_prompt_chars: int) -> int:
+    """The largest body whose prompt can pass a `max_prompt_chars` bound: anything larger is
+    refused unparsed (parsing 15 MB of JSON holds the GIL for tens of ms, stalling streams)."""
+    return max_prompt_chars * _BODY_BYTES_PER_PROMPT_CHAR + _BODY_BYTES_BESIDE_PROMPT
+
+
+def check_body_size(num_bytes: int, max_prompt_chars: int | None, path: str) -> None:
+    """APIError 400 when a body of `num_bytes` cannot hold a prompt within the bound: the
+    answer the character check would give, named for the endpoint's prompt field."""
+    if max_prompt_chars is not None and num_bytes > (limit := body_byte_limit(max_prompt_chars)):
+        message = (
+            f"request body is {num_bytes} bytes; a prompt of at most {max_prompt_chars} "
+            f"characters fits in {limit}"
+        )
+        param = "messages" if path.endswith("/chat/completions") else "prompt"
+        raise _context_exceeded(message, param)
 
 
 def check_prompt_size(
