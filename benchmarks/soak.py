@@ -647,11 +647,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             subprocess.run([*cmd, str(model_dir)], check=True, stdout=subprocess.DEVNULL)
         _say(f"model {model_dir}, logs in {log_dir}")
         result = _soak(model_dir, args, log_dir)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    config["cpus"], config["log_dir"] = os.cpu_count(), str(log_dir)
+    config = {k: _shown_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    # Where this machine kept things is no result: the record names no local path.
+    config["cpus"], config["log_dir"] = os.cpu_count(), "(a temporary directory)"
     config["plan"] = [" ".join([n, role, *extra]) for n, role, _, extra in PLAN]
     command = shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]])
     return {"command": command, "config": config, "results": result}
+
+
+def _shown_path(path: Path) -> str:
+    """A path as the record shows it: relative to the checkout when inside it, else redacted."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return "(a local path)"
 
 
 # ---- main ------------------------------------------------------------------------------------
