@@ -15,6 +15,8 @@ import argparse
 import errno
 import importlib
 import os
+import select
+import signal
 import sys
 
 __all__ = ["main"]
@@ -81,14 +83,38 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and _is_stdout_reader_gone():
+            return _quit_quietly()
         if debug or not _is_user_error(exc):
             raise
         print(f"disagg {argv[0]}: error: {_one_line(exc)}", file=sys.stderr)
         return 1 if isinstance(exc, OSError) and not _is_missing_file(exc) else 2
+
+
+def _is_stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reader closed it (`| head`), as opposed to a broken
+    pipe to some peer's socket, which is a real error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (OSError, ValueError):  # stdout is closed or not a file (captured in-process)
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _quit_quietly() -> int:
+    """Point stdout at /dev/null, so that the interpreter's own flush at exit does not report
+    the broken pipe again, and exit as a process killed by SIGPIPE would (`yes | head`)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _is_user_error(exc: Exception) -> bool:

@@ -1,8 +1,8 @@
 """Async OpenAI-compatible load client: builds requests, streams responses, paces arrivals.
 
 Owns the HTTP side of the benchmark (aiohttp): one `RequestResult` per request with raw
-timestamps, request pacing at given offsets under an optional concurrency cap, and the
-progress bar. Computes no statistics (metrics.py does) and never imports torch.
+timestamps, request pacing at given offsets under an optional concurrency cap (progress.py
+shows how far it got). Computes no statistics (metrics.py does) and never imports torch.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 import aiohttp
-from tqdm import tqdm
 
 from disagg.bench.metrics import RequestResult
+from disagg.bench.progress import Progress
 from disagg.bench.workload import BenchPrompt
 
 __all__ = [
@@ -205,7 +205,7 @@ async def run_requests(
     """
     assert len(prompts) == len(bodies) == len(offsets_s), "one body and offset per prompt"
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(prompts), disable=not show_progress, unit="req")
+    progress = Progress(len(prompts), is_shown=show_progress)
 
     async def one(i: int) -> RequestResult:
         if limit is None:
@@ -213,7 +213,7 @@ async def run_requests(
         else:
             async with limit:
                 result = await send_request(session, url, prompts[i], bodies[i])
-        bar.update(1)
+        progress.update()
         return result
 
     start_s = time.perf_counter()
@@ -225,5 +225,5 @@ async def run_requests(
         tasks.append(asyncio.create_task(one(i)))
     results = await asyncio.gather(*tasks)
     duration_s = time.perf_counter() - start_s
-    bar.close()
+    progress.close()
     return list(results), duration_s

@@ -33,6 +33,7 @@ from disagg.bench.flags import (
     workload_from_args,
     workload_keys,
 )
+from disagg.bench.host import describe_host
 from disagg.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
 from disagg.bench.workload import (
     BenchPrompt,
@@ -124,6 +125,8 @@ def _run_header(cfg: BenchConfig, model: str) -> dict[str, Any]:
         "max_concurrency": cfg.max_concurrency,
         "warmup": cfg.warmup,
         "goodput_slos_ms": dict(cfg.goodput_slos_ms),
+        # The machine the bench ran on (the servers' too when local, as `disagg up` makes them).
+        "host": describe_host(),
     }
 
 

@@ -131,7 +131,8 @@ def plot_run(result: dict[str, Any], out_dir: str | Path) -> Path:
         axes.flat, [("TTFT", ttfts), ("TPOT", tpots), ("ITL", itls), ("E2EL", e2els)], strict=True
     ):
         _cdf(ax, [v * 1000.0 for v in values] or [0.0], name)
-    fig.tight_layout()
+    fig.text(0.01, 0.01, caption([result], has_bars=False), fontsize=8, alpha=0.8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     path = Path(out_dir) / "latency_cdf.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -226,8 +227,9 @@ def _quartiles(values: list[float], median: float) -> tuple[float, float]:
 
 
 def caption(runs: list[dict[str, Any]], *, has_bars: bool = True) -> str:
-    """What every figure must say: model, requests per point, output length (and, simulated,
-    the hardware); `has_bars` adds what its error bars are."""
+    """What every figure must say: model, requests per point, output length, and the machine
+    (measured: the bench's host as the result records it; simulated: the hardware profile);
+    `has_bars` adds what its error bars are."""
     first = runs[0]
     counts = sorted({int(r.get("num_prompts") or 0) for r in runs})
     parts = [
@@ -239,6 +241,8 @@ def caption(runs: list[dict[str, Any]], *, has_bars: bool = True) -> str:
     sim = first.get("sim")
     if isinstance(sim, dict):
         parts.append(f"{sim.get('hardware')} x tp {sim.get('tp')}")
+    elif first.get("host"):  # results from before it was recorded name no machine
+        parts.append(f"host {first['host']}")
     return "; ".join(parts)
 
 

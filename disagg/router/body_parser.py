@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 INLINE_PARSE_BYTES = 256 * 1024  # below this a parse takes < 1 ms: not worth a process hop
 
-Refusal = tuple[int, str, str | None]  # (status, message, param) of a refused body
+Refusal = tuple[int, str, str | None, str | None]  # (status, message, param, code) refused
 ParseFn = Callable[[bytes, str, int | None], dict[str, Any]]
 
 

@@ -100,7 +100,7 @@ def checked_body(raw: bytes, path: str, max_prompt_chars: int | None) -> dict[st
     check_body_size(len(raw), max_prompt_chars, path)
     body = parse_json_body(raw)  # not JSON, not an object, too deep, lone surrogate, 1e309
     if not isinstance(body.get("stream", False), bool):
-        raise APIError(400, "stream must be a boolean", param="stream")
+        raise APIError(400, "stream must be a boolean", code="invalid_value", param="stream")
     parse = parse_chat_request if path.endswith("/chat/completions") else parse_completion_request
     parsed = parse({k: v for k, v in body.items() if k != "kv_transfer_params"})
     check_prompt_size(parsed, max_prompt_chars)
@@ -109,12 +109,12 @@ def checked_body(raw: bytes, path: str, max_prompt_chars: int | None) -> dict[st
 
 def refusal_of(exc: Exception) -> Refusal | None:
     """An APIError as a picklable refusal (None for any other error: a bug, raised as is)."""
-    return (exc.status, exc.message, exc.param) if isinstance(exc, APIError) else None
+    return (exc.status, exc.message, exc.param, exc.code) if isinstance(exc, APIError) else None
 
 
 def api_error_of(refusal: Refusal) -> APIError:
-    status, message, param = refusal
-    return APIError(status, message, param=param)
+    status, message, param, code = refusal
+    return APIError(status, message, param=param, code=code)
 
 
 def make_body_parser() -> BodyParser:
@@ -140,7 +140,7 @@ async def parse_call(
         else:
             body = checked_body(raw, request.path, max_prompt_chars)
     except APIError as exc:
-        raise RouteError.of(exc.status, exc.message, param=exc.param) from exc
+        raise RouteError.of(exc.status, exc.message, param=exc.param, code=exc.code) from exc
     if "kv_transfer_params" in body:
         # They name blocks and peers: only the router sets them, on the legs it sends.
         raise RouteError.of(

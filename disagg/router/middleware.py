@@ -46,7 +46,7 @@ def api_key_middleware(api_key: str) -> Any:
         if api_key and request.path.startswith("/v1/"):
             if not auth.bearer_matches(request.headers.get("Authorization", ""), api_key):
                 message = "invalid or missing API key (Authorization: Bearer ...)"
-                return RouteError.of(401, message).to_response()
+                return RouteError.of(401, message, code="invalid_api_key").to_response()
         return await handler(request)
 
     return check_api_key

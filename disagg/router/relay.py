@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from disagg.protocol import TTFTBreakdown
+from disagg.server.openai_api import error_body, status_code_name
 
 __all__ = [
     "CLIENT_GONE",
@@ -40,10 +41,12 @@ _BREAKDOWN_FIELDS = frozenset(f.name for f in fields(TTFTBreakdown))
 _DATA = b"data: "
 
 
-def error_object(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def error_object(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; `code` is a
+    string as an instance's is (default: named after the status, `not_found` for 404)."""
+    return error_body(status, message, code=code or status_code_name(status), param=param)
 
 
 class RouteError(Exception):
@@ -58,9 +61,16 @@ class RouteError(Exception):
 
     @classmethod
     def of(
-        cls, status: int, message: str, *, leg: Leg | None = None, param: str | None = None
+        cls,
+        status: int,
+        message: str,
+        *,
+        leg: Leg | None = None,
+        param: str | None = None,
+        code: str | None = None,
     ) -> RouteError:
-        return cls(status, json.dumps(error_object(status, message, param)).encode(), leg=leg)
+        body = error_object(status, message, param, code)
+        return cls(status, json.dumps(body).encode(), leg=leg)
 
     @classmethod
     def from_upstream(cls, status: int, body: bytes, content_type: str, leg: Leg) -> RouteError:

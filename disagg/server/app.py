@@ -38,6 +38,7 @@ from disagg.server.openai_api import (
     prompt_char_limit,
     prompt_chars,
     resolve_max_tokens,
+    status_code_name,
 )
 from disagg.server.openai_responses import (
     ResponseMeta,
@@ -153,7 +154,7 @@ async def _error_middleware(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error = APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        error = APIError(exc.status, exc.reason, code=status_code_name(exc.status))
         allow = exc.headers.get("Allow")
         return _error_response(error, headers={"Allow": allow} if allow else None)
     except Exception:

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg.kv.common import SideChannelError, SideHandler
+from disagg.server.openai_api import status_code_name
 
 __all__ = ["kv_routes"]
 
@@ -39,5 +40,6 @@ def _adapt(handler: SideHandler) -> Any:
 
 
 def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "kv_error", "param": None, "code": status}}
+    code = status_code_name(status)  # a string, as every other error body's code
+    body = {"error": {"message": message, "type": "kv_error", "param": None, "code": code}}
     return web.json_response(body, status=status)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 import typing
@@ -113,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path, metavar="PATH",
                         help="read the API key from this file, which keeps it out of the "
                         "process list")  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"],
+                        help="verbosity of disagg's own log lines (other libraries log "
+                        "warnings only); INFO names the dtype the engine computes in")  # fmt: skip
 
 
 def _dest(cls: type, name: str) -> str:
@@ -158,6 +162,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
 
 
 def run(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level)
     if getattr(args, _dest(ServerConfig, "api_key")):
         print("disagg serve: warning: --api-key shows in the process list to every user of "
               "this host; use --api-key-file or $DISAGG_API_KEY", file=sys.stderr)  # fmt: skip
@@ -184,6 +189,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     asyncio.run(_serve(config, server, model_dir))
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    """disagg's loggers at `level`, everyone else's at WARNING: without a handler Python prints
+    warnings only, and the engine's startup lines (the dtype it computes in) were lost."""
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("disagg").setLevel(level)
 
 
 async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from disagg.protocol import KVTransferParams, SamplingParams
@@ -35,6 +36,7 @@ __all__ = [
     "prompt_char_limit",
     "prompt_chars",
     "resolve_max_tokens",
+    "status_code_name",
 ]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -75,6 +77,16 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, code=self.code, param=self.param)
+
+
+def status_code_name(status: int) -> str | None:
+    """The error `code` of a refusal without a more specific one: `not_found` for 404, None
+    for a status HTTP does not name. OpenAI's codes are strings, never the status number."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return None
+    return phrase.lower().replace(" ", "_").replace("-", "_")
 
 
 def error_body(

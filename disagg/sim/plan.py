@@ -20,7 +20,16 @@ from disagg.sim.hardware import load_profile
 from disagg.sim.model_shape import load_shape
 from disagg.sim.sim_config import SimConfig
 
-__all__ = ["PlanRow", "add_arguments", "by_gpu_count", "candidates", "plan", "run"]
+__all__ = [
+    "PlanRow",
+    "add_arguments",
+    "by_gpu_count",
+    "candidates",
+    "format_rows",
+    "format_verdict",
+    "plan",
+    "run",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +112,17 @@ def plan(
     return rows
 
 
+def _ranked(rows: list[PlanRow], attainment: float) -> list[PlanRow]:
+    """Deployments meeting the SLOs first, then fewest GPUs, then most requests within SLO."""
+    return sorted(rows, key=lambda r: (r.attainment < attainment, r.num_gpus, -r.attainment))
+
+
 def format_rows(rows: list[PlanRow], attainment: float) -> str:
     lines = [
         "| mode | prefill | decode | TP | GPUs | SLO met by | p90 TTFT ms | median TPOT ms | ok |"
     ]
     lines.append("|---|---|---|---|---|---|---|---|---|")
-    ranked = sorted(rows, key=lambda r: (r.attainment < attainment, r.num_gpus, -r.attainment))
-    for r in ranked:
+    for r in _ranked(rows, attainment):
         c = r.config
         decode = c.num_decode if c.mode != "aggregated" else "-"
         ok = "yes" if r.attainment >= attainment else "no"
@@ -120,19 +133,64 @@ def format_rows(rows: list[PlanRow], attainment: float) -> str:
     return "\n".join(lines)
 
 
+def _deployment(config: SimConfig) -> str:
+    """`push, 1 prefill + 2 decode at TP 1`, `aggregated, 3 instances at TP 1`."""
+    if config.mode == "aggregated":
+        counts = f"{config.num_prefill} instance{'s' if config.num_prefill != 1 else ''}"
+    else:
+        counts = f"{config.num_prefill} prefill + {config.num_decode} decode"
+    return f"{config.mode}, {counts} at TP {config.tp}"
+
+
+def format_verdict(rows: list[PlanRow], attainment: float, max_gpus: int) -> str:
+    """One line naming the cheapest deployment that meets the SLOs, or saying none does (and
+    which came closest: most requests within SLO, then fewest GPUs)."""
+    best = _ranked(rows, attainment)[0]
+    if best.attainment < attainment:
+        best = min(rows, key=lambda r: (-r.attainment, r.num_gpus))
+    gpus = f"{best.num_gpus} GPU{'s' if best.num_gpus != 1 else ''}"
+    found = f"{_deployment(best.config)} ({gpus}, {best.attainment:.0%} of requests within SLO)"
+    if best.attainment >= attainment:
+        return f"cheapest meeting the SLO: {found}"
+    return (
+        f"no deployment meets the SLO within {max_gpus} GPUs (it needs {attainment:.0%} of "
+        f"requests within SLO); closest: {found}"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--slo-ttft-ms", type=float, required=True)
-    parser.add_argument("--slo-tpot-ms", type=float, required=True)
-    parser.add_argument("--max-gpus", type=int, default=8)
-    parser.add_argument("--modes", default="pull,push,aggregated")
+    parser.add_argument(
+        "--slo-ttft-ms", type=float, required=True, metavar="MS",
+        help="time to first token SLO, ms: a request meets it when its first token arrives "
+        "within this many ms of being sent (required)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--slo-tpot-ms", type=float, required=True, metavar="MS",
+        help="time per output token SLO, ms: a request meets it when its tokens after the "
+        "first arrive at most this many ms apart on average (required)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-gpus", type=int, default=8, metavar="N",
+        help="most GPUs a deployment may use (instances x TP); GPU counts are tried from the "
+        "fewest up, stopping at the first where a deployment meets the SLOs "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--modes", default="pull,push,aggregated", metavar="MODES",
+        help="deployment modes to search, comma-separated, from pull, pull-inline, push and "
+        "aggregated; each disaggregated mode is tried at every prefill:decode split "
+        "(default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--tps",
         default=None,
         help="tensor-parallel sizes to search, comma-separated (default: the --tp given)",
     )
     parser.add_argument(
-        "--attainment", type=float, default=0.9, help="fraction of requests that must meet both"
-    )
+        "--attainment", type=float, default=0.9,
+        help="fraction of requests that must meet both SLOs for a deployment to meet them "
+        "(default: %(default)s)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, base: SimConfig) -> int:
@@ -144,6 +202,7 @@ def run(args: argparse.Namespace, base: SimConfig) -> int:
     if not rows:
         raise SystemExit(f"error: {base.model} fits no TP in {tps} within {args.max_gpus} GPUs")
     print(format_rows(rows, args.attainment))
+    print(format_verdict(rows, args.attainment, args.max_gpus))
     return 0 if any(r.attainment >= args.attainment for r in rows) else 1
 
 

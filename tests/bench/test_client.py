@@ -203,3 +203,19 @@ def test_infinite_rate_written_as_string() -> None:
         result = asyncio.run(run_benchmark(_cfg(server.base_url)))
     assert math.isinf(BenchConfig(base_url="http://a").request_rate)
     assert result["request_rate"] == "inf"
+
+
+def test_progress_off_a_terminal_is_plain_lines(capsys) -> None:
+    """Regression: tqdm wrote `\\r`-redrawn bars into logs and captured output. Off a terminal
+    the progress is a few whole lines (every tenth of the requests), ending at the total."""
+    with ThreadedServer(FakeBehavior()) as server:
+        argv = ["bench", "--base-url", server.base_url, "--num-prompts", "20", "--input-len", "8"]
+        assert cli_main([*argv, "--output-len", "2", "--request-rate", "inf"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    lines = [line for line in err.splitlines() if "requests done" in line]
+    assert 2 <= len(lines) <= 11, err
+    assert [int(line.split("/")[0].split()[-1]) for line in lines] == sorted(
+        {int(line.split("/")[0].split()[-1]) for line in lines}
+    )  # counts only grow, none twice
+    assert lines[-1].startswith("bench: 20/20 requests done"), lines[-1]

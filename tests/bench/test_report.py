@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import platform
 from pathlib import Path
 
 import pytest
 
 from disagg.bench import report
+from disagg.bench.host import describe_host
+from disagg.bench.main import BenchConfig, run_benchmark
 from disagg.bench.report import (
     breakdown_at_highest_load,
     format_sweep_markdown,
     format_table,
     to_json_line,
 )
+from disagg.bench.workload import WorkloadConfig
 from disagg.cli import main as cli_main
+from tests.bench.fake_server import FakeBehavior, ThreadedServer
 
 _STAGES = {
     "aggregated": {"queue": 5.0, "prefill": 40.0},
@@ -150,3 +156,38 @@ def test_plots_start_at_zero_and_bar_the_per_request_spread(tmp_path: Path, monk
 def test_quartiles_of_a_point_without_per_request_values_are_zero() -> None:
     assert report._quartiles([], 5.0) == (0.0, 0.0)
     assert report._quartiles([1.0, 2.0, 3.0, 4.0, 5.0], 3.0) == (1.0, 1.0)
+
+
+def _cpu_model() -> str:
+    """The CPU's name as a user reads it: /proc/cpuinfo's `model name`, else platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def test_caption_names_the_machine_a_run_was_measured_on() -> None:
+    """Regression: plot footers named the checkpoint ("ckpt-sweep") but not the machine."""
+    workload = WorkloadConfig(num_prompts=2, input_len=8, output_len=2)
+    with ThreadedServer(FakeBehavior()) as server:
+        result = asyncio.run(
+            run_benchmark(BenchConfig(base_url=server.base_url, workload=workload))
+        )
+    assert _cpu_model() and _cpu_model() in result["host"]
+    run = {**result, "mode": "aggregated", "input_len": 8, "output_len": 2}
+    assert f"host CPU {_cpu_model()}" in report.caption([run])
+    assert f"host CPU {_cpu_model()}" in format_sweep_markdown([run]).splitlines()[0]
+    assert "host" not in report.caption(_runs())  # results from before: no machine, none guessed
+
+
+def test_host_names_the_cpu_and_each_gpu_model(tmp_path: Path) -> None:
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Fake CPU 9000 @ 3 GHz\n" * 2)
+    assert describe_host(tmp_path) == "CPU Fake CPU 9000 @ 3 GHz"
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        gpu = tmp_path / "driver" / "nvidia" / "gpus" / bus
+        gpu.mkdir(parents=True)
+        (gpu / "information").write_text("Model: \t\t NVIDIA H200\nIRQ:   \t\t 17\n")
+    assert describe_host(tmp_path) == "CPU Fake CPU 9000 @ 3 GHz, GPU 2 x NVIDIA H200"

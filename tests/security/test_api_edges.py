@@ -253,7 +253,7 @@ def test_router_bad_json_is_400_json_then_serves() -> None:
                     async with client.post("/v1/chat/completions", data=raw) as resp:
                         error = await error_of(resp, 400)
                     assert_router_error(error, 400)
-                    assert error["code"] == 400, name
+                    assert error["code"] in ("invalid_json", "invalid_value"), name
                 body = {"prompt": "héllo 日本", "max_tokens": 2}
                 async with client.post("/v1/completions", json=body) as resp:
                     assert resp.status == 200
@@ -344,3 +344,68 @@ def test_non_ascii_authorization_through_an_open_router_is_not_500() -> None:
                     assert status == 200 or 400 <= status < 500, body
 
     run_async(main(), timeout_s=60)
+
+
+# ---- the error code: a string (or null), as OpenAI's is ----------------------------------------
+
+
+def assert_code_is_text(error: dict[str, Any], name: str) -> None:
+    assert error["code"] is None or isinstance(error["code"], str), (name, error)
+
+
+def test_error_code_is_a_string_on_the_instance_and_through_the_router(
+    tokenizer: Tokenizer,
+) -> None:
+    """Regression: through the router an unknown model said `"code": "model_not_found"` (the
+    instance's answer, relayed) but a malformed body `"code": 400` (the router's own)."""
+    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    calls = {  # name -> (method, path, body, status)
+        "unknown model": ("POST", "/v1/completions", b'{"model": "nope", "prompt": "x"}', 404),
+        "malformed": ("POST", "/v1/chat/completions", b'{"prompt": ', 400),
+        "too deep": ("POST", "/v1/completions", deep_list(DEEP), 400),
+        "unknown path": ("GET", "/nope", None, 404),
+        "wrong method": ("GET", "/v1/completions", None, 405),
+    }
+
+    async def check(client: TestClient) -> dict[str, Any]:
+        codes = {}
+        for name, (method, path, raw, status) in calls.items():
+            async with client.request(method, path, data=raw) as resp:
+                error = await error_of(resp, status)
+            assert_code_is_text(error, name)
+            codes[name] = error["code"]
+        return codes
+
+    async def main() -> None:
+        instance = TestServer(make_instance_app(engine, tokenizer))
+        async with TestClient(instance) as direct:
+            on_instance = await check(direct)
+            url = str(direct.make_url("")).rstrip("/")
+            async with TestClient(TestServer(router_app(url)())) as routed:
+                through_router = await check(routed)
+        assert on_instance["unknown model"] == through_router["unknown model"] == "model_not_found"
+        assert on_instance["malformed"] == through_router["malformed"] == "invalid_json"
+        assert through_router["unknown path"] == "not_found"
+        assert through_router["wrong method"] == "method_not_allowed"
+
+    run_async(main(), timeout_s=60)
+
+
+def test_router_refusals_of_its_own_carry_string_codes() -> None:
+    """The router's 401 (API key), 413 (body size) and 502/503 (no instance up) too."""
+
+    async def test(client: TestClient) -> None:
+        async with client.post("/v1/completions", json={"prompt": "x"}) as resp:
+            error = await error_of(resp, 401)
+        assert error["code"] == "invalid_api_key"  # as the instance says it
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with client.post("/v1/completions", data=b"x" * 2048, headers=headers) as resp:
+            assert_code_is_text(await error_of(resp, 413), "413")
+        async with client.post("/v1/completions", json={"prompt": "x"}, headers=headers) as resp:
+            assert resp.status in (502, 503), await resp.text()
+            assert_code_is_text((await resp.json())["error"], "no instance")
+
+    cfg = RouterConfig(
+        host="127.0.0.1", port=0, decode_urls=("http://127.0.0.1:9",), api_key=API_KEY
+    )
+    with_client(lambda: make_router_app(cfg, client_max_size=1024), test)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import types
@@ -140,3 +142,24 @@ def _is_up(url: str) -> bool:
         return requests.get(f"{url}/health", timeout=1).status_code == 200
     except requests.ConnectionError:
         return False
+
+
+def test_serve_logs_the_dtype_it_computes_in(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """Regression: the README says the resolved dtype is logged, but `disagg serve` (and so each
+    instance `disagg up` starts) never configured logging, and the engine's INFO line was lost."""
+    log_path = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "disagg.cli", "serve", "--model", str(tiny_qwen3_dir),
+            "--port", "0", "--num-threads", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        wait_until(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 180)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert re.search(r"INFO disagg\.engine\.async_engine: engine computes in "
+                     r"(float32|bfloat16) \(asked: auto\)\n", text), text  # fmt: skip
+    assert "ready on" in text and len(text.splitlines()) <= 5, text  # startup says little else

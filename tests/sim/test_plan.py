@@ -1,7 +1,13 @@
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import replace
 
+import pytest
+
+from disagg.cli import main
+from disagg.sim import plan as plan_command
 from disagg.sim.plan import by_gpu_count, candidates, format_rows, plan
 from tests.sim.helpers import make_config
 
@@ -50,3 +56,48 @@ def test_plan_reports_the_tp_of_each_row() -> None:
     rows = plan(base, ["push"], max_gpus=4, attainment=0.9, tps=[1, 2])
     assert {(r.config.tp, r.num_gpus) for r in rows} == {(1, 2), (1, 3), (1, 4), (2, 4)}
     assert "| TP |" in format_rows(rows, 0.9).splitlines()[0]
+
+
+# The workload of test_plan_stops_at_the_cheapest_gpu_count_that_meets_the_slos, as flags.
+_SIM_FLAGS = ["sim", "--num-prompts", "8", "--input-len", "256", "--output-len", "8",
+              "--request-rate", "2", "--model", "Qwen3-8B", "--num-blocks", "2048"]  # fmt: skip
+
+
+def test_plan_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: --slo-ttft-ms, --slo-tpot-ms, --max-gpus and --modes had no help at all."""
+    parser = argparse.ArgumentParser()
+    plan_command.add_arguments(parser)
+    assert all(action.help for action in parser._actions), "a flag without help"
+    with pytest.raises(SystemExit):
+        main(["sim", "plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--slo-ttft-ms MS .*time to first token.* ms", text), text
+    assert re.search(r"--slo-tpot-ms MS .*time per output token.* ms", text), text
+    assert re.search(r"--max-gpus N .*\(default: 8\)", text), text
+    assert re.search(r"--modes MODES .*\(default: pull,push,aggregated\)", text), text
+
+
+def test_plan_names_the_cheapest_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*_SIM_FLAGS, "plan", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50"]
+    assert main([*argv, "--max-gpus", "4", "--modes", "push,aggregated"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    found = re.fullmatch(
+        r"cheapest meeting the SLO: (push|aggregated), (.+) at TP 1 "
+        r"\((\d+) GPUs?, (\d+)% of requests within SLO\)",
+        lines[-1],
+    )
+    assert found, lines[-1]
+    best = [cell.strip() for cell in lines[2].split("|")]  # the table's first row is the cheapest
+    assert best[-2] == "yes" and (best[1], best[5], best[6]) == (
+        found.group(1), found.group(3), found.group(4) + "%"
+    )  # fmt: skip
+
+
+def test_plan_says_when_nothing_meets_the_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*_SIM_FLAGS, "plan", "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001"]
+    assert main([*argv, "--max-gpus", "3", "--modes", "pull"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("no deployment meets the SLO within 3 GPUs"), last
+    # Every deployment has 0% within SLO: the closest is then the one with the fewest GPUs.
+    assert last.endswith("closest: pull, 1 prefill + 1 decode at TP 1 (2 GPUs, 0% of requests "
+                         "within SLO)"), last  # fmt: skip
