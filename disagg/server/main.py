@@ -193,9 +193,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _configure_logging(level: str) -> None:
     """disagg's loggers at `level`, everyone else's at WARNING: without a handler Python prints
-    warnings only, and the engine's startup lines (the dtype it computes in) were lost."""
+    warnings only, and the engine's startup lines (the dtype it computes in) were lost. To
+    stdout, beside the ready line: stderr carries a failed start's one-line error alone."""
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
     )
     logging.getLogger("disagg").setLevel(level)
 

@@ -166,6 +166,7 @@ def _header(config: SimConfig, cluster: SimCluster) -> dict[str, Any]:
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "backend": "sim",
         "base_url": None,
+        "host": None,  # no machine served it: the simulated hardware is sim.hardware
         "endpoint": "/v1/completions",
         "model_id": cluster.cost.shape.name,
         **workload_keys(w),
