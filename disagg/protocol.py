@@ -21,7 +21,9 @@ __all__ = [
     "RequestIdInUseError",
     "RequestOutput",
     "SamplingParams",
+    "MAX_LOGPROBS",
     "TTFTBreakdown",
+    "TokenLogprobs",
 ]
 
 
@@ -55,6 +57,9 @@ class FinishReason(enum.Enum):
 # Below this, logits / temperature overflows to inf for ordinary logits and the softmax turns
 # to NaN; such a request asks for the argmax anyway (vLLM draws the same line).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# The most top alternatives a request may ask for per token (OpenAI's and vLLM's default cap):
+# each costs a top-k over the vocabulary and bytes in every streamed chunk.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,9 +74,16 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS/stop ids are ignored before this many tokens
+    # Top alternatives per sampled token, 0..MAX_LOGPROBS; None = compute no logprobs at all
+    # (0 = only the sampled token's own logprob).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -133,6 +145,9 @@ class KVTransferParams:
     transfer_id: str | None = None  # push: one fresh id per dispatch, keys the two legs
     num_prompt_tokens: int | None = None  # tokens whose KV P computed
     first_token_id: int | None = None  # the token P sampled; D emits it as its first token
+    # Pull: TokenLogprobs.to_dict() of first_token_id when the request asked for logprobs
+    # (P computed them); None = unknown, and D answers null for that token's logprobs.
+    first_token_logprobs: dict[str, Any] | None = None
     lease_s: float | None = None  # pull: P frees the blocks this long after answering
     connector: str | None = None  # "pull" | "push": both legs must agree
 
@@ -173,6 +188,8 @@ class KVTransferParams:
             value = getattr(self, name)
             if value is not None and not (type(value) is int and value >= 0):
                 raise TypeError(f"kv_transfer_params.{name} must be an integer >= 0")
+        if self.first_token_logprobs is not None:
+            TokenLogprobs.from_dict(self.first_token_logprobs)  # raises on a malformed one
         if self.lease_s is not None:
             _check_number("kv_transfer_params.lease_s", self.lease_s)
             if self.lease_s <= 0:
@@ -215,6 +232,42 @@ class TTFTBreakdown:
         return TTFTBreakdown(**{k: mine[k] if mine[k] is not None else theirs[k] for k in mine})
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities around one sampled token, of the raw model distribution (log_softmax
+    of the logits before temperature, top-k and top-p, as vLLM returns them by default)."""
+
+    logprob: float  # natural log of the sampled token's probability; finite (clamped)
+    top_ids: list[int]  # the most likely tokens, most likely first; len = SamplingParams.logprobs
+    top_logprobs: list[float]  # their logprobs, same order and length as top_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"logprob": self.logprob, "top_ids": self.top_ids, "top_logprobs": self.top_logprobs}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> TokenLogprobs:
+        """The wire form (kv_transfer_params.first_token_logprobs), checked: TypeError if not
+        {"logprob": number, "top_ids": [int >= 0], "top_logprobs": [number]} of equal lengths."""
+        if not isinstance(raw, dict) or set(raw) != {"logprob", "top_ids", "top_logprobs"}:
+            raise TypeError("first_token_logprobs must be {logprob, top_ids, top_logprobs}")
+        ids, values = raw["top_ids"], raw["top_logprobs"]
+        if not (
+            _is_logprob(raw["logprob"])
+            and isinstance(ids, list)
+            and isinstance(values, list)
+            and len(ids) == len(values) <= MAX_LOGPROBS
+            and all(type(t) is int and t >= 0 for t in ids)
+            and all(_is_logprob(v) for v in values)
+        ):
+            raise TypeError("first_token_logprobs has malformed values")
+        return cls(float(raw["logprob"]), list(ids), [float(v) for v in values])
+
+
+def _is_logprob(value: object) -> bool:
+    # -inf is a real logprob (a token the model rules out) but not JSON: the sampler clamps it.
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One delta of a request's output, produced by the engine loop for the server.
@@ -231,6 +284,10 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None  # returned to the caller when finished
     error: str | None = None  # why, when finish_reason is ERROR
     breakdown: TTFTBreakdown = field(default_factory=TTFTBreakdown)
+    # One entry per new_token_ids entry when the request asked for logprobs (an entry is None
+    # where unknown: a first token relayed from a prefill instance that sent none); None when
+    # it did not ask.
+    new_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def is_finished(self) -> bool:

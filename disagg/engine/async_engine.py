@@ -229,6 +229,10 @@ class AsyncEngine:
         first = params.first_token_id
         if first is not None and first >= self.vocab_size:
             raise ValueError(f"first_token_id must be in [0, {self.vocab_size}), got {first}")
+        relayed = params.first_token_logprobs
+        if relayed is not None and any(t >= self.vocab_size for t in relayed["top_ids"]):
+            # The server detokenizes these ids: one past the vocabulary must not reach it.
+            raise ValueError(f"first_token_logprobs.top_ids must be in [0, {self.vocab_size})")
         if params.num_prompt_tokens not in (None, num_prompt_tokens):
             raise ValueError(
                 f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens}, "

@@ -113,7 +113,12 @@ class KVConnectorScheduler(abc.ABC):
         first = request.output_token_ids[0]
         self._active[request.request_id] = blocks
         self._meta.sends.append(KVSend(request.request_id, blocks, first, params))
-        return True, self.finished_params(request, list(blocks), first)
+        answer = self.finished_params(request, list(blocks), first)
+        if request.output_logprobs and request.output_logprobs[0] is not None:
+            # Relayed to the decode instance with first_token_id (pull: the router copies
+            # these params into D's leg), so the client gets the first token's logprobs too.
+            answer["first_token_logprobs"] = request.output_logprobs[0].to_dict()
+        return True, answer
 
     def request_aborted(self, request: Request) -> bool:
         """The request leaves a KV state early. True if a transfer may still touch its blocks:

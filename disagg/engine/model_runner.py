@@ -130,12 +130,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         params = [s.sampling for s in inputs.sampled]
         tokens = self.sampler(logits, params, [s.output_index for s in inputs.sampled])
+        logprobs = self.sampler.logprobs(logits, params, tokens)
         out = RunnerOutput()
-        for scheduled, token in zip(inputs.sampled, tokens, strict=True):
+        for scheduled, token, entry in zip(inputs.sampled, tokens, logprobs, strict=True):
             if token is None:
                 out.failed[scheduled.request_id] = "sampling found no valid distribution"
-            else:
-                out.sampled_token_ids[scheduled.request_id] = token
+                continue
+            out.sampled_token_ids[scheduled.request_id] = token
+            if entry is not None:
+                out.logprobs[scheduled.request_id] = entry
         return out
 
     def _prepare(self, requests: list[ScheduledRequest]) -> _StepInputs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.protocol import SamplingParams
+from disagg.protocol import SamplingParams, TokenLogprobs
 
 __all__ = [
     "KVConnectorOutput",
@@ -80,6 +80,8 @@ class KVConnectorOutput:
 @dataclass(slots=True)
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    # request id -> logprobs of its new token; only requests whose sampling.logprobs is set
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Requests the runner could not serve (e.g. sampling produced no valid distribution): the
     # scheduler fails each one alone; the rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)  # request id -> reason

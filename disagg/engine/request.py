@@ -8,7 +8,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from disagg.protocol import FinishReason, KVTransferParams, SamplingParams, TTFTBreakdown
+from disagg.protocol import (
+    FinishReason,
+    KVTransferParams,
+    SamplingParams,
+    TokenLogprobs,
+    TTFTBreakdown,
+)
 
 __all__ = ["Request", "RequestStatus"]
 
@@ -50,6 +56,9 @@ class Request:
     arrival_s: float = 0.0  # engine clock at add time
     kv_transfer_params: KVTransferParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Parallel to output_token_ids when sampling.logprobs is set (None where unknown), else
+    # empty: logprobs are kept only for requests that asked.
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in `block_ids`
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a remote prefill
     block_ids: list[int] = field(default_factory=list)  # covers num_computed_tokens (and more)

@@ -20,7 +20,7 @@ from disagg.engine.outputs import (
 )
 from disagg.engine.request import Request, RequestStatus
 from disagg.engine.waiting_queue import WaitingQueue
-from disagg.protocol import RequestOutput
+from disagg.protocol import KVTransferParams, RequestOutput, TokenLogprobs
 
 __all__ = ["Scheduler"]
 
@@ -187,18 +187,22 @@ class Scheduler:
             token = runner.sampled_token_ids.get(scheduled.request_id)
             if token is None:
                 continue
-            self._append_token(request, token, now)
+            self._append_token(request, token, now, runner.logprobs.get(scheduled.request_id))
             outputs.append(self._output(request))
         self._apply_kv(runner.kv, now)
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
         return outputs
 
-    def _append_token(self, request: Request, token: int, now: float) -> None:
+    def _append_token(
+        self, request: Request, token: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
         params = request.kv_transfer_params
         if request.num_output_tokens == 0 and not (params and params.do_remote_prefill):
             request.breakdown.prefill_s = now - (request.first_scheduled_s or now)
         request.output_token_ids.append(token)
+        if request.sampling.logprobs is not None:
+            request.output_logprobs.append(logprobs)
         status = self._stop_status(request, token)
         if status is not None:
             self._finish(request, status, now, emit=False)
@@ -252,7 +256,7 @@ class Scheduler:
             # P sampled the first token with the same parameters; carry it instead of
             # recomputing the last prompt token here (one step less on the TTFT path).
             request.breakdown.first_step_s = 0.0
-            self._append_token(request, first_token, now)
+            self._append_token(request, first_token, now, _relayed_logprobs(params))
             self._pending_outputs.append(self._output(request))
         else:
             request.num_computed_tokens -= 1  # recompute the last prompt token to sample
@@ -351,6 +355,9 @@ class Scheduler:
 
     def _output(self, request: Request) -> RequestOutput:
         new_tokens = request.output_token_ids[request.num_emitted_tokens :]
+        new_logprobs = None
+        if request.sampling.logprobs is not None:
+            new_logprobs = request.output_logprobs[request.num_emitted_tokens :]
         request.num_emitted_tokens = request.num_output_tokens
         return RequestOutput(
             request_id=request.request_id,
@@ -362,6 +369,7 @@ class Scheduler:
             kv_transfer_params=request.kv_result,
             error=request.error,
             breakdown=request.breakdown,
+            new_logprobs=new_logprobs,
         )
 
     def take_kv_meta(self) -> KVConnectorMeta | None:
@@ -411,3 +419,11 @@ class Scheduler:
             "num_total_blocks": self.block_pool.num_blocks,
             "num_queued_prefill_tokens": queued,
         }
+
+
+def _relayed_logprobs(params: KVTransferParams | None) -> TokenLogprobs | None:
+    """The first token's logprobs as the prefill instance sent them (validated on arrival);
+    None when it sent none (push relays only the token id)."""
+    if params is None or params.first_token_logprobs is None:
+        return None
+    return TokenLogprobs.from_dict(params.first_token_logprobs)

@@ -14,7 +14,7 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -41,11 +41,14 @@ from disagg.server.openai_api import (
     status_code_name,
 )
 from disagg.server.openai_responses import (
+    LogprobEntry,
     ResponseMeta,
     chat_body,
     chat_chunk,
+    chat_logprobs,
     completion_body,
     completion_chunk,
+    completion_logprobs,
     sse_event,
     usage_chunk,
     usage_dict,
@@ -184,12 +187,25 @@ class _Run:
     last_output: RequestOutput | None = None  # latest engine delta (breakdown, kv params)
     num_chunks_sent: int = 0
     is_refused: bool = False  # the engine refused it: never accepted, so nothing to abort
+    # Every token's logprobs so far (empty unless the request asked); a chunk carries those
+    # from num_logprobs_sent on, so a token whose text is held back rides the next chunk.
+    logprob_entries: list[LogprobEntry] = field(default_factory=list)
+    num_logprobs_sent: int = 0
 
     def process(self, output: RequestOutput) -> TextDelta:
         if self.first_token_s is None and output.new_token_ids:
             self.first_token_s = time.monotonic()
         self.last_output = output
-        return self.processor.process(output)
+        step = self.processor.process(output)
+        self.logprob_entries.extend(step.logprobs or ())
+        return step
+
+    def logprobs(self, start: int = 0) -> dict[str, Any] | None:
+        """The choice's `logprobs` over entries from `start`; None when it did not ask."""
+        if self.request.sampling.logprobs is None:
+            return None
+        entries = self.logprob_entries[start:]
+        return chat_logprobs(entries) if self.request.is_chat else completion_logprobs(entries)
 
     @property
     def is_engine_finished(self) -> bool:
@@ -212,12 +228,14 @@ class _Run:
             return None
         extra = self.final_extra() if step.finish_reason is not None else {}
         self.num_chunks_sent += 1
+        logprobs = self.logprobs(self.num_logprobs_sent)
+        self.num_logprobs_sent = len(self.logprob_entries)
         if not self.request.is_chat:
-            return completion_chunk(self.meta, step.text, step.finish_reason, extra)
+            return completion_chunk(self.meta, step.text, step.finish_reason, extra, logprobs)
         delta = {"content": step.text} if step.text else {}
         if self.num_chunks_sent == 1:
             delta = {"role": "assistant", "content": step.text}
-        return chat_chunk(self.meta, delta, step.finish_reason, extra)
+        return chat_chunk(self.meta, delta, step.finish_reason, extra, logprobs)
 
 
 class _Server:
@@ -320,7 +338,8 @@ class _Server:
         build = chat_body if run.request.is_chat else completion_body
         finish_reason = run.processor.finish_reason
         assert finish_reason is not None, f"{run.meta.request_id}: drive returned unfinished"
-        body = build(run.meta, run.processor.text, finish_reason, run.usage(), run.final_extra())
+        text, usage = run.processor.text, run.usage()
+        body = build(run.meta, text, finish_reason, usage, run.final_extra(), run.logprobs())
         return web.json_response(body, headers={"X-Request-Id": run.meta.request_id})
 
     async def _stream(self, request: web.Request, run: _Run, submit: Submit) -> web.StreamResponse:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from disagg.protocol import KVTransferParams, SamplingParams
+from disagg.protocol import MAX_LOGPROBS, KVTransferParams, SamplingParams
 
 __all__ = [
     "MAX_NUM_STOP",
@@ -178,8 +178,6 @@ def parse_completion_request(body: Mapping[str, Any]) -> GenerateRequest:
     _reject_unsupported(body)
     if body.get("echo"):
         raise _unsupported("echo")
-    if body.get("logprobs") is not None:
-        raise _unsupported("logprobs")
     if body.get("suffix") is not None:
         raise _unsupported("suffix")
     prompt, prompt_token_ids = _parse_prompt(body.get("prompt"))
@@ -188,14 +186,12 @@ def parse_completion_request(body: Mapping[str, Any]) -> GenerateRequest:
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         max_tokens=_max_tokens(body, "max_tokens"),
-        **_common_fields(body),
+        **_common_fields(body, _logprobs_count(body, "logprobs")),
     )
 
 
 def parse_chat_request(body: Mapping[str, Any]) -> GenerateRequest:
     _reject_unsupported(body)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _unsupported("logprobs")
     if body.get("tools"):
         raise _unsupported("tools")
     if body.get("continue_final_message"):
@@ -210,11 +206,29 @@ def parse_chat_request(body: Mapping[str, Any]) -> GenerateRequest:
         messages=_parse_messages(body.get("messages")),
         add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
         max_tokens=max_tokens if max_tokens is not None else _max_tokens(body, "max_tokens"),
-        **_common_fields(body),
+        **_common_fields(body, _chat_logprobs(body)),
     )
 
 
-def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+def _logprobs_count(body: Mapping[str, Any], name: str) -> int | None:
+    """An optional count of top alternatives per token, 0..MAX_LOGPROBS (None = not asked)."""
+    value = _opt_int(body, name)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise _bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+    return value
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat asks with `logprobs: true` and counts alternatives with `top_logprobs` (0 when
+    absent); `top_logprobs` alone is refused, as OpenAI and vLLM refuse it."""
+    wanted = _opt_bool(body, "logprobs")
+    top = _logprobs_count(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _common_fields(body: Mapping[str, Any], logprobs: int | None) -> dict[str, Any]:
     stream = bool(_opt_bool(body, "stream"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -224,7 +238,7 @@ def _common_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     include_usage = bool(_opt_bool(options or {}, "include_usage"))
     return {
         "model": _opt_str(body, "model"),
-        "sampling": _parse_sampling(body),
+        "sampling": _parse_sampling(body, logprobs),
         "stream": stream,
         "include_usage": include_usage,
         "kv_transfer_params": _parse_kv_params(body.get("kv_transfer_params")),
@@ -246,7 +260,7 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
         raise _unsupported("logit_bias")
 
 
-def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
+def _parse_sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
     top_k = _opt_int(body, "top_k")
     fields: dict[str, Any] = {
         "temperature": _opt_number(body, "temperature"),
@@ -257,6 +271,7 @@ def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
         "stop_token_ids": _parse_stop_token_ids(body.get("stop_token_ids")),
         "ignore_eos": _opt_bool(body, "ignore_eos"),
         "min_tokens": _opt_int(body, "min_tokens"),
+        "logprobs": logprobs,
     }
     given = {k: v for k, v in fields.items() if v is not None}
     return _sampling_or_400(SamplingParams, **given)

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "LogprobEntry",
     "ResponseMeta",
     "chat_body",
     "chat_chunk",
+    "chat_logprobs",
     "completion_body",
     "completion_chunk",
+    "completion_logprobs",
     "sse_event",
     "usage_chunk",
     "usage_dict",
@@ -32,6 +35,50 @@ class ResponseMeta:
     created: int  # unix seconds, fixed at arrival
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One output token's logprobs with its ids already decoded (the output processor's)."""
+
+    token: str  # the token's own text, decoded alone
+    logprob: float | None  # None = unknown (a first token relayed without its logprobs)
+    top: list[tuple[str, float]]  # (text, logprob) of the top alternatives, most likely first
+    text_offset: int  # characters of completion text before this token's text
+
+
+def completion_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists. Each top_logprobs dict holds the top
+    alternatives plus the sampled token (so up to logprobs + 1 keys, as OpenAI and vLLM)."""
+    top: list[dict[str, float] | None] = []
+    for entry in entries:
+        alternatives = dict(entry.top)
+        if entry.logprob is not None:
+            alternatives.setdefault(entry.token, entry.logprob)
+        top.append(alternatives if entry.logprob is not None else None)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = [
+        {
+            **_chat_token(entry.token, entry.logprob),
+            "top_logprobs": [_chat_token(token, logprob) for token, logprob in entry.top],
+        }
+        for entry in entries
+    ]
+    return {"content": content}
+
+
+def _chat_token(token: str, logprob: float | None) -> dict[str, Any]:
+    # bytes: the UTF-8 of the token text, so clients can rebuild characters split over tokens.
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
 def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": num_prompt_tokens,
@@ -41,35 +88,53 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, 
 
 
 def completion_body(
-    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
+    meta: ResponseMeta,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, int],
+    extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_head(meta, "text_completion"), "choices": [choice], "usage": usage, **extra}
 
 
 def chat_body(
-    meta: ResponseMeta, text: str, finish_reason: str, usage: dict[str, int], extra: dict[str, Any]
+    meta: ResponseMeta,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, int],
+    extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     return {**_head(meta, "chat.completion"), "choices": [choice], "usage": usage, **extra}
 
 
 def completion_chunk(
-    meta: ResponseMeta, text: str, finish_reason: str | None, extra: dict[str, Any]
+    meta: ResponseMeta,
+    text: str,
+    finish_reason: str | None,
+    extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_head(meta, "text_completion"), "choices": [choice], **extra}
 
 
 def chat_chunk(
-    meta: ResponseMeta, delta: dict[str, str], finish_reason: str | None, extra: dict[str, Any]
+    meta: ResponseMeta,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    extra: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_head(meta, "chat.completion.chunk"), "choices": [choice], **extra}
 
 

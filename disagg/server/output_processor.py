@@ -8,9 +8,10 @@ handler reads `stop_string_hit` and aborts the engine request itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from disagg.protocol import FinishReason, RequestOutput
+from disagg.protocol import FinishReason, RequestOutput, TokenLogprobs
+from disagg.server.openai_responses import LogprobEntry
 from disagg.tokenizer import Tokenizer
 
 __all__ = ["OutputProcessor", "TextDelta"]
@@ -24,6 +25,9 @@ class TextDelta:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     stop_string_hit: bool = False  # finished by a stop string: the engine does not know yet
     error: str | None = None  # why, when finish_reason == "error"
+    # One per token consumed by this delta (its text may still be held back) when the request
+    # asked for logprobs; None when it did not.
+    logprobs: list[LogprobEntry] | None = None
 
 
 class OutputProcessor:
@@ -36,6 +40,7 @@ class OutputProcessor:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
+        self._tokenizer = tokenizer
         self._detokenizer = tokenizer.detokenizer(prompt_token_ids, skip_special_tokens)
         self._matcher = _StopMatcher([s for s in stop if s])
         self._pending = ""  # decoded, not yet released (may be the start of a stop string)
@@ -46,19 +51,39 @@ class OutputProcessor:
     def process(self, output: RequestOutput) -> TextDelta:
         """Consume one engine delta. After a finished delta, further calls are a bug."""
         assert self.finish_reason is None, f"{output.request_id}: output after finish"
-        for token_id in output.new_token_ids:
+        given = output.new_logprobs
+        assert given is None or len(given) == len(output.new_token_ids), output.request_id
+        entries = None if given is None else []
+        for i, token_id in enumerate(output.new_token_ids):
             self.num_output_tokens += 1
+            if entries is not None and given is not None:
+                entries.append(self._entry(token_id, given[i]))
             if (hit := self._append(self._detokenizer.add(token_id))) is not None:
-                return hit
+                return replace(hit, logprobs=entries)
         if not output.is_finished:
-            return TextDelta(self._release(self._matcher.num_held_chars), None)
+            return TextDelta(self._release(self._matcher.num_held_chars), None, logprobs=entries)
         if (hit := self._append(self._detokenizer.flush())) is not None:
-            return hit
+            return replace(hit, logprobs=entries)
         assert output.finish_reason is not None
         self.finish_reason = output.finish_reason.value
         text = self._release(0)
         error = output.error if output.finish_reason is FinishReason.ERROR else None
-        return TextDelta(text, self.finish_reason, error=error)
+        return TextDelta(text, self.finish_reason, error=error, logprobs=entries)
+
+    def _entry(self, token_id: int, logprobs: TokenLogprobs | None) -> LogprobEntry:
+        """Decoded before the token's text is appended: its offset is the text so far
+        (released and held). Each id is decoded alone, special tokens shown (EOS is a token
+        the client may want to see rated)."""
+        offset = len(self.text) + len(self._pending)
+        token = self._token_text(token_id)
+        if logprobs is None:
+            return LogprobEntry(token, None, [], offset)
+        pairs = zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+        top = [(self._token_text(t), v) for t, v in pairs]
+        return LogprobEntry(token, logprobs.logprob, top, offset)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _append(self, text: str) -> TextDelta | None:
         """Add newly decoded text; the finish when it completes a stop string."""

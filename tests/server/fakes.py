@@ -24,6 +24,7 @@ from disagg.protocol import (
     KVTransferParams,
     RequestOutput,
     SamplingParams,
+    TokenLogprobs,
     TTFTBreakdown,
 )
 from disagg.server.app import start_server
@@ -158,6 +159,8 @@ class FakeEngine:
         elif num_out == len(self.output_ids):
             finish = FinishReason.STOP
         out = RequestOutput(request_id, [token_id], finish, num_prompt, num_out)
+        if sp.logprobs is not None:
+            out.new_logprobs = [_fake_logprobs(token_id, sp.logprobs)]
         if finish is not None:
             out.error = self.error
             out.kv_transfer_params = self.kv_params_out
@@ -184,6 +187,12 @@ class FakeEngine:
 
     def kv_info(self) -> dict[str, Any]:
         return {"role": "both", "block_size": 16}
+
+
+def _fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:
+    """The sampled token rated best at -0.125, then ids 10, 11, ... each 1 nat lower."""
+    top_ids = [token_id, *(t for t in range(10, 10 + num_top) if t != token_id)][:num_top]
+    return TokenLogprobs(-0.125, top_ids, [-0.125 - i for i in range(len(top_ids))])
 
 
 class ServerThread:

@@ -252,7 +252,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p>1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, None),
     ("n=2", "/v1/completions", {"prompt": "a", "n": 2}, 400, "unsupported_parameter"),
     ("best_of", "/v1/completions", {"prompt": "a", "best_of": 2}, 400, "unsupported_parameter"),
-    ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 1}, 400, "unsupported_parameter"),
+    ("logprobs 21", "/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "invalid_value"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, "unsupported_parameter"),
     ("stop type", "/v1/completions", {"prompt": "a", "stop": [1]}, 400, None),
     ("min>max", "/v1/completions", {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, None),
@@ -269,11 +269,11 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         "unsupported_parameter",
     ),
     (
-        "logprobs chat",
+        "top_logprobs without logprobs",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "a"}], "logprobs": True},
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
         400,
-        "unsupported_parameter",
+        "invalid_value",
     ),
 ]
 
