@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disagg import auth
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.launcher import Cluster, ClusterConfig
 from disagg.router.call import kv_params, prefill_body
+from disagg.security import auth
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]

@@ -466,7 +466,7 @@ def _reused_request_id(soak: Soak, rng: random.Random, name: str) -> None:
 def _replayed_signed_call(soak: Soak, rng: random.Random, name: str) -> None:
     """An internal call signed with the cluster token (an abort, as the router sends), sent
     twice as recorded: the first is served, the replay must be refused."""
-    from disagg import auth  # signed as the router signs its legs
+    from disagg.security import auth  # signed as the router signs its legs
 
     url = soak.children["pull-decode-0"].url
     data = json.dumps({"request_id": f"soak-replay-{rng.randrange(1 << 30)}"}).encode()

@@ -267,7 +267,7 @@ class ServerConfig:
     drain_timeout_s: float = 60.0  # on SIGTERM with a router: wait this long for work to end
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request's headers, then the connection closes
     body_timeout_s: float = BODY_TIMEOUT_S  # a request's whole body, then HTTP 408
-    tls_cert_file: str = ""  # PEM certificate: serve HTTPS (internal TLS; see disagg.tls)
+    tls_cert_file: str = ""  # PEM certificate: serve HTTPS (internal TLS; see disagg.security.tls)
     tls_key_file: str = ""  # its private key (PEM)
 
     def __post_init__(self) -> None:
@@ -324,7 +324,7 @@ class RouterConfig:
     max_concurrent_requests: int = 0
     max_queued_requests: int = 64
     queue_timeout_s: float = 30.0
-    # Internal TLS (disagg.tls): serve HTTPS with this certificate and key, and verify the
+    # Internal TLS (disagg.security.tls): serve HTTPS with this certificate and key, and verify the
     # instances' certificates against this CA (PEM files; "" = plain HTTP, system CAs).
     tls_cert_file: str = ""
     tls_key_file: str = ""

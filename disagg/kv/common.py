@@ -21,13 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from disagg import auth
 from disagg.config import EngineConfig
 from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
 from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
 from disagg.kv.transport import TransportError, make_transport, resolve_kind
-from disagg.tls import client_context, scheme
+from disagg.security import auth
+from disagg.security.tls import client_context, scheme
 
 __all__ = [
     "ConnectorBase",

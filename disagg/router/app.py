@@ -22,7 +22,6 @@ from prometheus_client import (
 )
 
 from disagg.config import HEADER_TIMEOUT_S, RouterConfig
-from disagg.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.router.admission import Admission
 from disagg.router.call import make_body_parser, parse_call
 from disagg.router.flows import Flows
@@ -32,6 +31,7 @@ from disagg.router.membership import add_membership_routes
 from disagg.router.metrics import RouterMetrics
 from disagg.router.middleware import api_key_middleware, error_middleware
 from disagg.router.relay import CLIENT_GONE, RouteError, error_object
+from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
 
 __all__ = ["Router", "make_app", "start_server"]
 

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from disagg import auth
 from disagg.config import RouterConfig
 from disagg.protocol import KV_RELEASE_PATH
 from disagg.router.call import Call, prefill_body
@@ -26,7 +25,8 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
 from disagg.router.relay import BreakdownSource, Leg, Relayed, RouteError, read_all, relay
 from disagg.router.retry import RetryBudget
-from disagg.tls import client_context
+from disagg.security import auth
+from disagg.security.tls import client_context
 
 __all__ = ["ABORT_TIMEOUT_S", "CONNECT_TIMEOUT_S", "Legs", "consume"]
 
@@ -61,7 +61,7 @@ class Legs:
             total=self.cfg.request_timeout_s, sock_connect=CONNECT_TIMEOUT_S
         )
         # No limit: the instances, not the router, set concurrency. An https instance's
-        # certificate must chain to the internal CA when one is configured (disagg.tls).
+        # certificate must chain to the internal CA when one is configured (disagg.security.tls).
         connector = aiohttp.TCPConnector(limit=0, ssl=client_context(self.cfg.tls_ca_file) or True)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from disagg import tls
 from disagg.config import (
     CLUSTER_TOKEN_ENV,
     FailurePolicy,
@@ -26,6 +25,7 @@ from disagg.config import (
 )
 from disagg.router.app import make_app, start_server
 from disagg.router.instances import normalize_url
+from disagg.security import tls
 
 __all__ = ["add_arguments", "build_config", "run"]
 

@@ -4,7 +4,7 @@
 heartbeat (`disagg serve --router URL` sends one per `--heartbeat-s`); `draining: true` says the
 instance is finishing what it has and takes no new work. `POST /internal/deregister` {"url"}
 removes it once drained. Both must be signed with the cluster token for this router (its
-listen host or `--advertise-url`, see disagg.call_guard) and are accepted once, as instances
+listen host or `--advertise-url`, see security/call_guard.py) and are accepted once, as instances
 check the router's calls: an unsigned caller could otherwise add itself to the pool and
 receive clients' prompts, and a recorded "draining" or deregister, sent again, would keep an
 instance out of it. Answers are signed over the call. Must not route requests (flows.py) nor
@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg import auth
-from disagg.auth import Signature
-from disagg.call_guard import CallGuard, Identity
 from disagg.config import RouterConfig
 from disagg.protocol import DEREGISTER_PATH, REGISTER_PATH
 from disagg.router.instances import InstancePool, MembershipError
 from disagg.router.relay import RouteError
+from disagg.security import auth
+from disagg.security.auth import Signature
+from disagg.security.call_guard import CallGuard, Identity
 
 __all__ = ["add_membership_routes"]
 

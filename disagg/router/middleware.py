@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg import auth
 from disagg.router.relay import RouteError
+from disagg.security import auth
 
 __all__ = ["api_key_middleware", "error_middleware"]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg.call_guard import Identity
 from disagg.config import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
-from disagg.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.protocol import RequestOutput
+from disagg.security.call_guard import Identity
+from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.server.engine_client import EngineClient, EngineOverloadedError, RequestIdInUseError
 from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
 from disagg.server.openai_api import (
@@ -90,7 +90,7 @@ def make_app(
 
     `cluster_token` opens the internal routes to calls signed with it (without one they are
     off), each call signed for this instance (its `identity`, besides the address the call
-    reaches; see disagg.call_guard) and used once; `api_key` closes the OpenAI API to clients
+    reaches; see security/call_guard.py) and used once; `api_key` closes the OpenAI API to clients
     without it. Bodies over `max_request_bytes` are refused with 413 before they are read
     whole, bodies not received within `body_timeout_s` with 408. Text and chat prompts over
     `max_prompt_chars` characters (0: the engine's max_model_len x PROMPT_CHARS_PER_TOKEN)
@@ -130,7 +130,7 @@ async def start_server(
     """Listen on host:port (0 = a free port); returns the runner (call `cleanup()` to stop) and
     the bound port. Handler cancellation is on: it is how a vanished client aborts its request.
     A connection that has not sent a request's headers within `header_timeout_s` is closed.
-    With `ssl_context` the port speaks HTTPS only (internal TLS, disagg.tls)."""
+    With `ssl_context` the port speaks HTTPS only (internal TLS, disagg.security.tls)."""
     runner = GuardedRunner(
         app,
         header_timeout_s=header_timeout_s,

@@ -17,7 +17,6 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from disagg import tls
 from disagg.config import (
     CacheConfig,
     EngineConfig,
@@ -27,6 +26,7 @@ from disagg.config import (
     env_cluster_token,
     resolve_api_key,
 )
+from disagg.security import tls
 
 __all__ = ["add_arguments", "build_configs", "run"]
 
@@ -258,7 +258,7 @@ def _identity(config: EngineConfig, server: ServerConfig) -> Any:
     """The names a cluster call may be signed for to reach us, besides the address it
     arrives at: the advertised URL (a port mapping or a Service hides it otherwise), the
     listen host and the KV host (peers' side-channel calls name it)."""
-    from disagg.call_guard import Identity
+    from disagg.security.call_guard import Identity
 
     return Identity.of((server.advertise_url,), (server.host, config.kv_transfer.host))
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from disagg import auth
 from disagg.protocol import DEREGISTER_PATH, REGISTER_PATH
+from disagg.security import auth
 
 __all__ = ["Registration"]
 

@@ -2,7 +2,7 @@
 internal routes (`/kv/*`, `/v1/abort`), which only a holder of the cluster token may call.
 
 An internal call proves itself with a signature for this instance that is used once
-(disagg.call_guard); the answer to it is signed over the call's nonce so the caller knows
+(disagg.security.call_guard); the answer to it is signed over the call's nonce so the caller knows
 which instance spoke to which call. A request carrying `kv_transfer_params` must be signed
 too (the app checks `is_cluster_call`): those fields name blocks and peers, so only the router
 may set them. With a cluster token, a signature that does not verify (replayed, for another
@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from disagg import auth
-from disagg.auth import Signature
-from disagg.call_guard import CallGuard, Identity
+from disagg.security import auth
+from disagg.security.auth import Signature
+from disagg.security.call_guard import CallGuard, Identity
 from disagg.server.openai_api import APIError
 
 __all__ = ["INTERNAL_PREFIXES", "is_cluster_call", "make_auth_middleware"]
@@ -39,7 +39,7 @@ def make_auth_middleware(
     *, api_key: str, cluster_token: str, identity: Identity | None = None
 ) -> Callable[..., object]:
     """`identity`: the names this instance answers to besides the address a call reaches
-    (its advertised URL and hosts; see disagg.call_guard)."""
+    (its advertised URL and hosts; see disagg.security.call_guard)."""
     guard = CallGuard(cluster_token, identity) if cluster_token else None
 
     @web.middleware

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from disagg import auth
+from disagg.security import auth
 
 __all__ = [
     "CLUSTER_TOKEN",

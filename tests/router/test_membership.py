@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from disagg import auth
 from disagg.config import RouterConfig
 from disagg.router.instances import InstancePool, MembershipError
+from disagg.security import auth
 from tests.router.fakes import ROUTER_TEST_TOKEN, FakeInstance, run_async, running, running_router
 
 

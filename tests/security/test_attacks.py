@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import requests
 
-from disagg import auth
 from disagg.router.call import push_params
+from disagg.security import auth
 from tests.e2e.cluster import (
     CLUSTER_TOKEN,
     Cluster,

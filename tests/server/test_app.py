@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg import auth
+from disagg.security import auth
 from disagg.server.engine_client import EngineOverloadedError
 from disagg.tokenizer import Tokenizer
 from tests.server.conftest import CLUSTER_TOKEN, OUTPUT_TEXT

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import requests
 
-from disagg import auth
 from disagg.config import EngineConfig
+from disagg.security import auth
 from disagg.server import main
 from tests.server.fakes import FakeEngine, wait_until
 

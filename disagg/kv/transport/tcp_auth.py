@@ -25,8 +25,8 @@ import socket
 import struct
 import time
 
-from disagg.auth import digest
 from disagg.kv.transport.base import TransportError
+from disagg.security.auth import digest
 
 __all__ = ["ACCEPT", "HELLO", "PROOF", "AuthError", "admit", "authenticate"]
 

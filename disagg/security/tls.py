@@ -1,7 +1,7 @@
 """TLS for internal HTTP: the contexts a process serves HTTPS with (`--internal-tls-cert` and
 `--internal-tls-key`) and verifies its peers with (`--internal-tls-ca`), from PEM files.
 
-Signatures (disagg.auth) prove who sent a call; TLS keeps what it carries secret: KV
+Signatures (disagg.security.auth) prove who sent a call; TLS keeps what it carries secret: KV
 transport metadata in a handshake is what NIXL needs to read and write an instance's KV, so on
 a network others can read it must not travel in clear. Stdlib only; no torch, no HTTP library.
 """

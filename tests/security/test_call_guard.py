@@ -1,4 +1,4 @@
-"""Whose call is it: an instance's signature check (server/security.py over disagg.call_guard)
+"""Whose call is it: an instance's signature check (server/security.py over security/call_guard)
 on real servers on 127.0.0.1. A call is accepted once, by the process it was signed for, under
 any of that process's names; its answer is signed for that call."""
 
@@ -12,8 +12,8 @@ import pytest
 import requests
 from aiohttp import web
 
-from disagg import auth
-from disagg.call_guard import CallGuard, Identity
+from disagg.security import auth
+from disagg.security.call_guard import CallGuard, Identity
 from disagg.server.openai_api import APIError
 from disagg.server.security import Handler, make_auth_middleware
 from tests.server.fakes import ServerThread

@@ -1,6 +1,6 @@
 """The receiving end of cluster calls in one process (an instance or the router): is a request
 signed with the cluster token, for this process, and the first of its kind? And the signature
-of its answer, bound to that call. disagg.auth owns the wire format; this module owns what
+of its answer, bound to that call. disagg.security.auth owns the wire format; this module owns what
 "this process" means. Must not decide what a verified caller may do (server/security.py and
 router/membership.py do) nor read bodies for meaning.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from disagg import auth
+from disagg.security import auth
 
 __all__ = ["CallGuard", "Identity"]
 

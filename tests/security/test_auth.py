@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from disagg import auth
+from disagg.security import auth
 
 TOKEN = "unit-test-cluster-token-0123"
 URL = "http://10.0.0.7:8100/kv/handshake"
