@@ -53,6 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# soak.py's tiny checkpoint (a decode step is ~1 ms, so a stall of a few ms shows) and its
+# connection helper; benchmarks/ is on sys.path when this file runs as a script.
+from soak import _TINY, _connect
+
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.launcher import Cluster, ClusterConfig
 from disagg.router.call import kv_params, prefill_body
@@ -70,9 +74,6 @@ HEALTH_EVERY_S = 0.05  # between two /health probes (P and D in turn)
 TAIL_S = 0.5  # after an attack's last answer, still its window
 TIMEOUT_S = 60.0  # any one HTTP call, the victim's streams included
 START_TIMEOUT_S = 300.0
-# soak.py's tiny checkpoint: a decode step is ~1 ms, so a stall of a few ms shows.
-_TINY = ["--arch", "qwen3", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-         "--intermediate", "128", "--vocab", "2048", "--seed", "1"]  # fmt: skip
 _SERVE_ARGS = ("--dtype", "float32", "--kv-host", HOST)  # fp32: as the e2e tests measure it
 _READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
 _JSON = {"Content-Type": "application/json"}
@@ -141,11 +142,6 @@ def _ms(seconds: float | None) -> float | None:
 # ---- HTTP --------------------------------------------------------------------------------------
 
 
-def _connect(url: str, timeout_s: float = TIMEOUT_S) -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-
-
 def _request(
     url: str,
     method: str,
@@ -155,7 +151,7 @@ def _request(
 ) -> tuple[int, bytes, float]:
     """(status, body, seconds to the whole answer); status 0 when the connection failed."""
     started = time.monotonic()
-    conn = _connect(url)
+    conn = _connect(url, TIMEOUT_S)
     try:
         conn.request(method, path, body=data, headers={**_JSON, **(headers or {})})
         resp = conn.getresponse()
@@ -208,7 +204,7 @@ class Victim:
             self.num_streams += 1
 
     def _stream(self, index: int) -> None:
-        conn = _connect(self.url)
+        conn = _connect(self.url, TIMEOUT_S)
         try:
             conn.request("POST", "/v1/completions", self.data, _JSON)
             resp = conn.getresponse()

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when it runs as a script: it imports soak
     spec = importlib.util.spec_from_file_location(
         "abuse_bench", ROOT / "benchmarks" / "abuse_bench.py"
     )
