@@ -18,6 +18,7 @@ __all__ = [
     "KVTransferParams",
     "KV_RELEASE_PATH",
     "REGISTER_PATH",
+    "RequestFencedError",
     "RequestIdInUseError",
     "RequestOutput",
     "SamplingParams",
@@ -45,6 +46,11 @@ class EngineOverloadedError(RuntimeError):
 class RequestIdInUseError(ValueError):
     """A request under an id whose earlier request is still streaming: refused (the server
     answers 409), never attached to the earlier one's output."""
+
+
+class RequestFencedError(ValueError):
+    """A request under an id the router aborted before this instance took it (a fenced
+    abort): refused (409), since the router may already have released the KV it names."""
 
 
 class FinishReason(enum.Enum):

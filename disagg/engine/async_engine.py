@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from disagg.config import EngineConfig
+from disagg.engine.fences import Fences
 from disagg.protocol import (
     KV_RELEASE_PATH,
     EngineOverloadedError,
     FinishReason,
     KVTransferParams,
+    RequestFencedError,
     RequestIdInUseError,
     RequestOutput,
     SamplingParams,
@@ -66,6 +68,10 @@ class AsyncEngine:
         # after its stream ended: a lease a peer may read). Asyncio side only.
         self._engine_ids: dict[str, str] = {}
         self._num_submitted = itertools.count(1)
+        # Ids the router aborted before we took them: a late handler must not submit them.
+        # Twice the lease: past one lease P's blocks are gone whatever we do (a load checks
+        # its read deadline), the second covers a handler that was slow to start.
+        self._fences = Fences(ttl_s=2 * config.kv_transfer.lease_s)
         self._held: set[str] = set()  # loop thread: engine ids added, not yet seen released
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -140,6 +146,16 @@ class AsyncEngine:
         if engine_id is not None:
             self._send("abort", engine_id)
 
+    async def fence(self, request_id: str) -> bool:
+        """Abort the id's submission if the engine may hold it (True); otherwise refuse any
+        submission under it from now on (False: nothing here reads what it names). Runs on
+        the event loop, as submission does, so no handler can slip in between."""
+        if request_id in self._open or request_id in self._engine_ids:
+            await self.abort(request_id)
+            return True
+        self._fences.add(request_id, time.monotonic())
+        return False
+
     def load(self) -> dict[str, int]:
         return dict(self._load)
 
@@ -201,6 +217,8 @@ class AsyncEngine:
     ) -> None:
         if self._dead is not None:
             raise EngineOverloadedError(f"engine is dead: {self._dead}")
+        if self._fences.holds(request_id, time.monotonic()):
+            raise RequestFencedError(f"request {request_id!r} was aborted before it arrived")
         if request_id in self._open:
             raise RequestIdInUseError(
                 f"request id {request_id!r} is in use by a request still running"

@@ -222,21 +222,58 @@ class Legs:
         """Pull: tell P that no decode instance read its lease, so the blocks go now."""
         self.keep(asyncio.create_task(self._post_internal(inst, KV_RELEASE_PATH, request_id)))
 
+    def fence_then_release(
+        self, decode: Instance, request_id: str, prefill: Instance, lease_id: str
+    ) -> None:
+        """Pull, D's leg sent but the request over: abort it on D with a fence, and when D
+        answers that it never took the request (so it never will), release P's lease, which
+        nobody else would (D may have been cut off while reading the leg). When D holds the
+        request, or the answer does not come, D's own release or the lease's end frees it."""
+        self.keep(
+            asyncio.create_task(self._fence_then_release(decode, request_id, prefill, lease_id))
+        )
+
+    async def _fence_then_release(
+        self, decode: Instance, request_id: str, prefill: Instance, lease_id: str
+    ) -> None:
+        answer = await self._post_internal(decode, "/v1/abort", request_id, fence=True)
+        if isinstance(answer, dict) and answer.get("fenced") is True:
+            await self._post_internal(prefill, KV_RELEASE_PATH, lease_id)
+
     def keep(self, task: asyncio.Task[Any]) -> None:
         """Hold `task` until it ends (`close()` waits for it), its exception retrieved."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(consume)
 
-    async def _post_internal(self, inst: Instance, path: str, request_id: str) -> None:
+    async def _post_internal(self, inst: Instance, path: str, request_id: str, **extra: Any) -> Any:
+        """The instance's JSON answer (None when it failed or sent none)."""
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
-        url, data = f"{inst.url}{path}", json.dumps({"request_id": request_id}).encode()
+        url = f"{inst.url}{path}"
+        data = json.dumps({"request_id": request_id, **extra}).encode()
         headers = self._signature(url, data)
         try:
             async with self.session.post(url, data=data, headers=headers, timeout=timeout) as resp:
                 logger.info("%s %s on %s: %s", path, request_id, inst.url, resp.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return None
+                self._check_answer(headers, resp, raw)
+                return json.loads(raw)
+        except (aiohttp.ClientError, TimeoutError, ValueError, auth.SignatureError) as exc:
             logger.warning("%s %s on %s failed: %r", path, request_id, inst.url, exc)
+            return None
+
+    def _check_answer(
+        self, headers: dict[str, str], resp: aiohttp.ClientResponse, raw: bytes
+    ) -> None:
+        """An answer we act on (a fence lets us free P's blocks) must be the instance's own
+        answer to this call: raises SignatureError otherwise. Nothing to check unsigned."""
+        if not self.cfg.cluster_token:
+            return
+        nonce = auth.Signature.parse(headers[auth.SIGNATURE_HEADER]).nonce
+        answer_signature = resp.headers.get(auth.SIGNATURE_HEADER)
+        auth.check_answer(self.cfg.cluster_token, answer_signature, nonce, resp.status, raw)
 
     def _signature(self, url: str, data: bytes, request_id: str = "") -> dict[str, str]:
         """Headers that make a leg a cluster call: instances accept kv_transfer_params and

@@ -58,18 +58,18 @@ class PullFlow:
             body=call.body_with({**d_params, "connector": "pull"}),
         )
         started_s = time.monotonic()
-        resp = await self._send_handoff(call, handoff, retries)
+        decode, resp = await self._send_handoff(call, handoff, retries)
         p_breakdown = _constant(breakdown_of(answer))
         try:
             relayed = await self.legs.respond(call, resp, "decode", started_s, p_breakdown)
         except RouteError as exc:  # D answered 4xx: only for a request its engine never took
-            self._end_handoff(call, handoff, is_unread=400 <= exc.status < 500)
+            self._end_handoff(call, handoff, is_unread=400 <= exc.status < 500, decode=decode)
             raise
         except asyncio.CancelledError:
-            self._end_handoff(call, handoff, is_unread=False)
+            self._end_handoff(call, handoff, is_unread=False, decode=decode)
             raise
         if relayed.status >= 400:  # the client left, or D failed mid-stream
-            self._end_handoff(call, handoff, is_unread=False)
+            self._end_handoff(call, handoff, is_unread=False, decode=decode)
         return relayed
 
     async def _prefill(self, inst: Instance, call: Call) -> dict[str, Any]:
@@ -94,22 +94,22 @@ class PullFlow:
 
     async def _send_handoff(
         self, call: Call, handoff: _Handoff, retries: RetryBudget
-    ) -> aiohttp.ClientResponse:
-        """D's leg, to its response headers; one that never reached its instance goes to
-        another pick while the budget lasts. Ending here, P's lease is released unless D may
-        have the leg (then only P is aborted)."""
+    ) -> tuple[Instance, aiohttp.ClientResponse]:
+        """The decode instance and its leg's response headers; a leg that never reached its
+        instance goes to another pick while the budget lasts. Ending here, P's lease is
+        released at once unless D may have the leg (then once D says it never took it)."""
         wait_s = 0.0
         while True:
             decode = await self._bind_decode(call, handoff, wait_s)
             try:
-                return await self.legs.send(decode, call, handoff.body, "decode")
+                return decode, await self.legs.send(decode, call, handoff.body, "decode")
             except RouteError as exc:
                 wait_s = self.legs.retry_wait(call, exc, retries)
                 if wait_s is None:
-                    self._end_handoff(call, handoff, is_unread=exc.unsent)
+                    self._end_handoff(call, handoff, is_unread=exc.unsent, decode=decode)
                     raise
             except asyncio.CancelledError:
-                self._end_handoff(call, handoff, is_unread=False)  # D may have it
+                self._end_handoff(call, handoff, is_unread=False, decode=decode)  # D may have it
                 raise
 
     async def _bind_decode(self, call: Call, handoff: _Handoff, wait_s: float) -> Instance:
@@ -125,13 +125,19 @@ class PullFlow:
             self._end_handoff(call, handoff, is_unread=True)
             raise
 
-    def _end_handoff(self, call: Call, handoff: _Handoff, *, is_unread: bool) -> None:
+    def _end_handoff(
+        self, call: Call, handoff: _Handoff, *, is_unread: bool, decode: Instance | None = None
+    ) -> None:
         """Abort P's request (its blocks go before the lease would let them), and when no
         decode instance read P's answer, release the lease too: an abort alone keeps it,
-        since reads are one-sided."""
+        since reads are one-sided. When `decode` may have P's answer, it is asked to abort
+        with a fence, and the lease is released once it says it never took the request (a
+        leg cut mid-send, or a handler cancelled before submitting, tells P nothing)."""
         self.legs.abort(handoff.prefill, call.request_id)
         if is_unread:
             self.legs.release(handoff.prefill, handoff.lease_id)
+        elif decode is not None:
+            self.legs.fence_then_release(decode, call.request_id, handoff.prefill, handoff.lease_id)
 
 
 def _constant(value: dict[str, Any] | None) -> BreakdownSource:

@@ -23,7 +23,12 @@ from disagg.config import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from disagg.protocol import RequestOutput
 from disagg.security.call_guard import Identity
 from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
-from disagg.server.engine_client import EngineClient, EngineOverloadedError, RequestIdInUseError
+from disagg.server.engine_client import (
+    EngineClient,
+    EngineOverloadedError,
+    RequestFencedError,
+    RequestIdInUseError,
+)
 from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
 from disagg.server.openai_api import (
     APIError,
@@ -436,13 +441,19 @@ class _Server:
         return web.json_response({"object": "list", "data": [card]})
 
     async def abort(self, request: web.Request) -> web.Response:
-        """Internal: the router aborts a request whose client left. Unknown ids are fine."""
+        """Internal: the router aborts a request whose client left. Unknown ids are fine.
+        With `"fence": true` an id the engine does not hold is refused from now on, and the
+        answer's `fenced` says so: the router may then release the KV it names."""
         body = parse_json_body(await request.read())
-        request_id = body.get("request_id")
+        request_id, fence = body.get("request_id"), body.get("fence", False)
         if not isinstance(request_id, str) or not request_id:
             raise APIError(400, "request_id must be a non-empty string", param="request_id")
-        await self._engine.abort(request_id)
-        return web.json_response({"request_id": request_id, "aborted": True})
+        if not isinstance(fence, bool):
+            raise APIError(400, "fence must be a boolean", param="fence")
+        is_fenced = fence and not await self._engine.fence(request_id)
+        if not fence:
+            await self._engine.abort(request_id)
+        return web.json_response({"request_id": request_id, "aborted": True, "fenced": is_fenced})
 
     async def health(self, request: web.Request) -> web.Response:
         is_healthy = self._engine.is_healthy()
@@ -486,6 +497,9 @@ def _engine_error(run: _Run, exc: Exception) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         run.is_refused = True
         return APIError(503, str(exc) or "engine overloaded", code="engine_overloaded")
+    if isinstance(exc, RequestFencedError):
+        run.is_refused = True
+        return APIError(409, str(exc), code="request_aborted", param="X-Request-Id")
     if isinstance(exc, RequestIdInUseError):
         run.is_refused = True
         return APIError(409, str(exc), code="request_id_in_use", param="X-Request-Id")

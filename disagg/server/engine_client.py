@@ -12,12 +12,13 @@ from typing import Any, Protocol
 from disagg.protocol import (
     EngineOverloadedError,
     KVTransferParams,
+    RequestFencedError,
     RequestIdInUseError,
     RequestOutput,
     SamplingParams,
 )
 
-__all__ = ["EngineClient", "EngineOverloadedError", "RequestIdInUseError"]
+__all__ = ["EngineClient", "EngineOverloadedError", "RequestFencedError", "RequestIdInUseError"]
 
 
 class EngineClient(Protocol):
@@ -41,6 +42,11 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Abort the latest request under this id (client gone, stop string hit), also once its
         stream ended while the engine still holds it (a lease). Idempotent; frees its blocks."""
+        ...
+
+    async def fence(self, request_id: str) -> bool:
+        """Abort the request under this id if the engine may hold it (True); else refuse any
+        later submission under it for a while (False) -- RequestFencedError, a ValueError."""
         ...
 
     def load(self) -> dict[str, int]:

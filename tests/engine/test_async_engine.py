@@ -12,7 +12,13 @@ import pytest
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.async_engine import AsyncEngine
-from disagg.protocol import FinishReason, RequestIdInUseError, RequestOutput, SamplingParams
+from disagg.protocol import (
+    FinishReason,
+    RequestFencedError,
+    RequestIdInUseError,
+    RequestOutput,
+    SamplingParams,
+)
 from disagg.server.app import make_app, start_server
 from disagg.tokenizer import Tokenizer
 
@@ -199,6 +205,34 @@ def test_a_request_id_still_streaming_is_refused_as_in_use(tiny_qwen3_dir: Path)
 
     again = asyncio.run(main())
     assert again[-1].finish_reason is FinishReason.LENGTH and len(_tokens(again)) == 2
+
+
+def test_a_fenced_abort_refuses_a_late_submission_and_aborts_a_held_one(
+    tiny_qwen3_dir: Path,
+) -> None:
+    """The router asks "abort X, and if you do not hold it, never take it" when its client
+    left after D's leg went out: a handler still reading or tokenizing that leg must then be
+    refused at submission (the router releases P's lease on the answer), and a request the
+    engine holds is aborted as by a plain abort (its own release covers P)."""
+
+    async def main() -> tuple[bool, bool, RequestOutput]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        try:
+            was_held = await engine.fence("late")  # the leg's handler has not submitted yet
+            with pytest.raises(RequestFencedError):
+                await anext(engine.generate("late", [5, 6, 7], _params(2)))
+            running = engine.generate("held", [5, 6, 7], _params(200))
+            await anext(running)
+            is_held = await engine.fence("held")
+            last = await _last(running)
+        finally:
+            await engine.shutdown()
+        return was_held, is_held, last
+
+    was_held, is_held, last = asyncio.run(main())
+    assert (was_held, is_held) == (False, True)
+    assert last.finish_reason is FinishReason.ABORT
 
 
 def _metric(text: str, name: str) -> float:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from disagg.config import RouterConfig
 from disagg.router.app import make_app, start_server
+from disagg.security import auth
 
 __all__ = [
     "FakeInstance",
@@ -82,6 +83,9 @@ class FakeInstance:
     received: list[Received] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # request ids of POST /kv/release
+    fences: list[str] = field(default_factory=list)  # request ids of aborts with "fence"
+    holds_fenced: bool = True  # a fenced abort finds the request held (answers fenced false)
+    signs_answers: bool = True  # a fenced abort's answer is signed with ROUTER_TEST_TOKEN
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # first generate request
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     probed: asyncio.Event = field(default_factory=asyncio.Event)  # set by every GET /health
@@ -125,9 +129,23 @@ class FakeInstance:
         return await handler(self, request, body)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        self.aborts.append((await request.json())["request_id"])
+        body = await request.json()
+        self.aborts.append(body["request_id"])
         self.aborted.set()
+        if body.get("fence"):
+            self.fences.append(body["request_id"])
+            return self._signed(request, web.json_response({"fenced": not self.holds_fenced}))
         return web.json_response({})
+
+    def _signed(self, request: web.Request, response: web.Response) -> web.Response:
+        """The answer signed as a real instance signs it (over the call's nonce)."""
+        header = request.headers.get(auth.SIGNATURE_HEADER)
+        if self.signs_answers and header:
+            nonce = auth.Signature.parse(header).nonce
+            assert isinstance(response.body, bytes)
+            signature = auth.sign_answer(ROUTER_TEST_TOKEN, nonce, response.status, response.body)
+            response.headers[auth.SIGNATURE_HEADER] = signature
+        return response
 
     async def _release(self, request: web.Request) -> web.Response:
         self.releases.append((await request.json())["request_id"])

@@ -117,8 +117,54 @@ def test_pull_client_gone_after_decode_started_keeps_the_lease() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode", handler=endless)
         async with routed(p, d, mode="pull") as url:
             await hang_up_when(url, streaming, {**PROMPT, "stream": True})
-            await wait_until(lambda: p.aborts)
+            await wait_until(lambda: p.aborts and d.fences)
             await asyncio.sleep(0.2)
+        assert p.releases == []  # D answered that it holds the request
+
+    run_async(main())
+
+
+def test_pull_client_gone_before_decode_took_the_leg_releases_once_decode_fences_it() -> None:
+    """Regression (a flaky e2e test): the client left after D's leg went out but before D's
+    engine took it (D's handler still reading or tokenizing it, or the leg cut mid-send); D
+    never learnt P's lease, so nobody released it for 30 s. The router now asks D to abort
+    with a fence, and releases P's lease when D answers that it never held the request."""
+
+    async def main() -> None:
+        arrived = asyncio.Event()
+
+        async def stalled(fake: FakeInstance, request: web.Request, body: dict) -> Any:
+            arrived.set()  # the leg is here; its engine never takes it
+            await asyncio.sleep(WAIT_S)
+
+        p = FakeInstance("prefill")
+        d = FakeInstance("decode", handler=stalled, holds_fenced=False)
+        async with routed(p, d, mode="pull") as url:
+            await hang_up_when(url, arrived)
+            await wait_until(lambda: p.releases)
+        rid = p.received[0].request_id
+        assert d.fences == [rid] and p.releases == [rid]
+
+    run_async(main())
+
+
+def test_pull_release_waits_for_a_signed_fenced_answer() -> None:
+    """ "fenced" counts only in D's signed answer to this call: an unsigned one (a forger on
+    the path) could free blocks D is reading."""
+
+    async def main() -> None:
+        arrived = asyncio.Event()
+
+        async def stalled(fake: FakeInstance, request: web.Request, body: dict) -> Any:
+            arrived.set()
+            await asyncio.sleep(WAIT_S)
+
+        p = FakeInstance("prefill")
+        d = FakeInstance("decode", handler=stalled, holds_fenced=False, signs_answers=False)
+        async with routed(p, d, mode="pull") as url:
+            await hang_up_when(url, arrived)
+            await wait_until(lambda: d.fences)
+            await asyncio.sleep(0.3)
         assert p.releases == []
 
     run_async(main())

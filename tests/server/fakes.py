@@ -114,6 +114,7 @@ class FakeEngine:
     kv_params_out: dict[str, Any] | None = None
     healthy: bool = True
     submitted: list[Submitted] = field(default_factory=list)
+    fenced: list[str] = field(default_factory=list)  # ids fence() refused from then on
     aborted: list[str] = field(default_factory=list)
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
 
@@ -166,6 +167,16 @@ class FakeEngine:
             out.kv_transfer_params = self.kv_params_out
             out.breakdown = TTFTBreakdown(queue_s=0.001, prefill_s=0.002)
         return out
+
+    async def fence(self, request_id: str) -> bool:
+        """Held while submitted and not aborted; otherwise fenced (recorded)."""
+        is_held = request_id in {s.request_id for s in self.submitted}
+        is_held = is_held and request_id not in self.aborted
+        if is_held:
+            await self.abort(request_id)
+        else:
+            self.fenced.append(request_id)
+        return is_held
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

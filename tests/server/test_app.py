@@ -354,6 +354,22 @@ def test_abort_endpoint(serve: Serve) -> None:
     assert _post(server, "/v1/abort", {"request_id": 3}, signed=True).status_code == 400
 
 
+def test_abort_with_a_fence_says_whether_the_engine_held_the_request(serve: Serve) -> None:
+    """`fence: true` is the router's question before it releases P's lease: "fenced" only
+    when the engine never held the id (so it will refuse it from now on)."""
+    engine, server = serve(output_ids=list(range(3, 200)), delay_s=0.02)
+    sock = _open_stream(server, {"prompt": "a", "max_tokens": 150})
+    assert wait_until(lambda: len(engine.submitted) == 1)
+    held = _post(server, "/v1/abort", {"request_id": "gone", "fence": True}, signed=True)
+    unknown = _post(server, "/v1/abort", {"request_id": "late", "fence": True}, signed=True)
+    bad = _post(server, "/v1/abort", {"request_id": "x", "fence": "yes"}, signed=True)
+    sock.close()
+    assert (held.status_code, held.json()["fenced"]) == (200, False)
+    assert (unknown.status_code, unknown.json()["fenced"]) == (200, True)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "fence"
+    assert engine.aborted[0] == "gone" and engine.fenced == ["late"]
+
+
 def test_instance_endpoints(serve: Serve) -> None:
     engine, server = serve()
     get = lambda path: requests.get(f"{server.url}{path}", timeout=10)  # noqa: E731
