@@ -57,6 +57,7 @@ from typing import Any
 # connection helper; benchmarks/ is on sys.path when this file runs as a script.
 from soak import _TINY, _connect
 
+from disagg.bench.host import cpu_info
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.launcher import Cluster, ClusterConfig
 from disagg.router.call import kv_params, prefill_body
@@ -77,7 +78,6 @@ START_TIMEOUT_S = 300.0
 _SERVE_ARGS = ("--dtype", "float32", "--kv-host", HOST)  # fp32: as the e2e tests measure it
 _READY = re.compile(rb"ready on (http://[\w.\-]+:\d+)")
 _JSON = {"Content-Type": "application/json"}
-_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 VICTIM_PROMPT = [101, 202, 303, 404, 505, 606, 707, 808]
 
 
@@ -519,21 +519,6 @@ def run_limited(model_dir: Path, log_dir: Path) -> dict[str, Any]:
 
 
 # ---- the run -----------------------------------------------------------------------------------
-
-
-def cpu_info() -> dict[str, Any]:
-    """The CPU as /proc/cpuinfo names it (first processor), the cores we may use, the load."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    flags = fields.get("flags", "").split()
-    return {"model": fields.get("model name", "unknown"), "cpus": len(os.sched_getaffinity(0)),
-            "flags_shown": [f for f in _FLAGS_SHOWN if f in flags], "flags": flags,
-            "loadavg_1m_start": os.getloadavg()[0]}  # fmt: skip
 
 
 def _say(line: str, started: float = time.monotonic()) -> None:

@@ -51,6 +51,7 @@ FailurePolicy = Literal["fail", "recompute"]
 PullSetup = Literal["background", "inline"]
 RouterMode = Literal["aggregated", "pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded"]
+AttentionBackend = Literal["auto", "native", "torch"]
 
 
 def cache_dir() -> Path:
@@ -233,6 +234,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto (bf16 where the device runs it fast) | float32 | bfloat16 | float16
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # Decode attention: auto = our paged kernel where it runs (CPU, bf16/fp32, a compiler to
+    # build it), else torch; native = the kernel or refuse to start; torch = gather + SDPA/GEMM.
+    attention_backend: AttentionBackend = "auto"
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
@@ -244,6 +248,7 @@ class EngineConfig:
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        _check_choice("attention_backend", self.attention_backend, AttentionBackend)
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

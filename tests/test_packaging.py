@@ -45,6 +45,7 @@ def test_nixl_is_an_extra_not_a_requirement(wheel: Path) -> None:
     assert "Provides-Extra: nixl" in metadata(wheel)
     with zipfile.ZipFile(wheel) as zf:  # the simulator's profiles travel with the package
         assert "disagg/sim/hardware/h200-p5en.toml" in zf.namelist()
+        assert "disagg/engine/csrc/paged_attention.cpp" in zf.namelist()  # built at first use
 
 
 @pytest.fixture(scope="module")

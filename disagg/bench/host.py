@@ -7,11 +7,34 @@ Never imports torch: the bench must not.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-__all__ = ["describe_host"]
+__all__ = ["cpu_info", "describe_host"]
+
+# The flags a CPU figure is shown with: which bf16 / matrix paths the kernels could take.
+FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_info(proc: Path = Path("/proc")) -> dict[str, Any]:
+    """The CPU as /proc/cpuinfo names it (first processor), its flags (and the few that
+    matter here, apart), the cores this process may use, and the load when asked."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in (proc / "cpuinfo").read_text(errors="replace").splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    flags = fields.get("flags", "").split()
+    return {"model": fields.get("model name", _cpu_model(proc)),
+            "cpus": len(os.sched_getaffinity(0)),
+            "flags_shown": [f for f in FLAGS_SHOWN if f in flags], "flags": flags,
+            "loadavg_1m_start": os.getloadavg()[0]}  # fmt: skip
 
 
 def describe_host(proc: Path = Path("/proc")) -> str:

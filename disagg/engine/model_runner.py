@@ -10,8 +10,9 @@ Heads outside tokens inside a block: one (block, layer, k|v, head) is a contiguo
 [..., 2, Hkv, T, D] — what SDPA reads without another copy.
 
 Attention: new K/V are scattered into their slots, then each prefill chunk attends over its
-gathered blocks (causal, offset by the cached prefix) and all decodes attend in one padded
-batch. SDPA does the math, so the same code runs on CPU and CUDA.
+gathered blocks (causal, offset by the cached prefix) and all decodes attend in one batch: on
+CPU through our paged kernel, which reads the blocks in place (paged_attention.py), elsewhere
+gathered into a padded batch for SDPA, so the same code runs on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
 from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from disagg.engine.paged_attention import make_paged_decode
 from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables
 from disagg.engine.sampler import Sampler
 
@@ -49,10 +51,12 @@ class _StepInputs:
     slot_offsets: torch.Tensor  # [N] offset inside that block
     prefills: list[_Prefill]
     decode_start: int  # rows >= decode_start are single-token decodes
-    # [2, B, Hkv, max_blocks] row groups in layer 0 (k|v first, so the gathered K and V are
-    # each one contiguous [B, Hkv, T, D]: a strided one costs bmm a copy); pad = block 0
+    decode_table: torch.Tensor | None  # [B, max_blocks] block ids, padded with block 0
+    decode_lens: torch.Tensor | None  # [B] keys each decode sees
+    # Torch path only: [2, B, Hkv, max_blocks] row groups in layer 0 (k|v first, so the
+    # gathered K and V are each one contiguous [B, Hkv, T, D]: a strided one costs bmm a copy)
     decode_rows: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * bs] keys each decode sees
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * bs]; None when none is padded
     sample_rows: torch.Tensor  # [S] rows whose hidden state is sampled
     sampled: list[ScheduledRequest]
 
@@ -88,6 +92,9 @@ class ModelRunner:
         self._gather_buf = self._row_groups.new_empty((0, *self._row_groups.shape[1:]))
         self.sampler = Sampler(self.device, config.seed)
         self._gemm_decode_attention = self.device.type == "cpu" and self.dtype != torch.float32
+        self._paged_decode = make_paged_decode(
+            config.attention_backend, self.kv_cache, spec.num_heads, spec.num_kv_heads
+        )
 
     def _load_model(self, model_dir: str) -> CausalLM:
         with torch.device("meta"):
@@ -168,7 +175,8 @@ class ModelRunner:
             if req.do_sample:
                 sample_rows.append(row + n - 1)
                 sampled.append(req)
-        tables, mask = self._decode_tables(decodes)
+        table, lens = self._decode_tables(decodes)
+        rows, mask = self._torch_decode_inputs(table, lens)
         return _StepInputs(
             input_ids=self._long(ids),
             positions=self._long(positions),
@@ -176,7 +184,9 @@ class ModelRunner:
             slot_offsets=self._long(slot_offsets),
             prefills=prefills,
             decode_start=len(ids) - len(decodes),
-            decode_rows=None if tables is None else self._rows(tables).movedim(1, 0).contiguous(),
+            decode_table=table,
+            decode_lens=lens,
+            decode_rows=rows,
             decode_mask=mask,
             sample_rows=self._long(sample_rows),
             sampled=sampled,
@@ -185,19 +195,28 @@ class ModelRunner:
     def _decode_tables(
         self, decodes: list[ScheduledRequest]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Block tables padded to the longest decode, and the key mask every layer shares (built
-        once per step; None when every context fills its blocks exactly, so nothing is masked).
-        Padding keys are masked rather than sliced off: a slice would make K and V strided."""
+        """Block tables padded to the longest decode, and each decode's number of keys."""
         if not decodes:
             return None, None
         lens = [d.start_pos + 1 for d in decodes]
         width = -(-max(lens) // self.block_size)
         padded = [d.block_ids[:width] + [0] * (width - len(d.block_ids[:width])) for d in decodes]
-        if min(lens) == width * self.block_size:
-            return self._long(padded), None
-        key_pos = torch.arange(width * self.block_size, device=self.device)
-        mask = key_pos[None, :] < self._long(lens)[:, None]  # [B, T]
-        return self._long(padded), mask[:, None, None, :]
+        return self._long(padded), self._long(lens)
+
+    def _torch_decode_inputs(
+        self, table: torch.Tensor | None, lens: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The torch path's gather rows and the key mask every layer shares (built once per
+        step; None when every context fills its blocks exactly, so nothing is masked). Padding
+        keys are masked rather than sliced off: a slice would make K and V strided."""
+        if table is None or lens is None or self._paged_decode is not None:
+            return None, None
+        rows = self._rows(table).movedim(1, 0).contiguous()
+        keys = table.shape[1] * self.block_size
+        if int(lens.min()) == keys:
+            return rows, None
+        mask = torch.arange(keys, device=self.device)[None, :] < lens[:, None]  # [B, T]
+        return rows, mask[:, None, None, :]
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -216,7 +235,7 @@ class ModelRunner:
         for chunk in inputs.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill_attention(layer, q[rows], k[rows], v[rows], chunk)
-        if inputs.decode_rows is not None:
+        if inputs.decode_table is not None:
             start = inputs.decode_start
             out[start:] = self._decode_attention(layer, q[start:], inputs)
         return out
@@ -278,6 +297,9 @@ class ModelRunner:
         return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
+        if self._paged_decode is not None:
+            assert inputs.decode_table is not None and inputs.decode_lens is not None
+            return self._paged_decode(layer, q, inputs.decode_table, inputs.decode_lens)
         assert inputs.decode_rows is not None
         k, v = self._gather(layer, inputs.decode_rows)  # [B, Hkv, T, D]; padding keys masked
         b, num_heads, d = q.shape

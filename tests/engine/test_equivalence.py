@@ -52,11 +52,13 @@ def make_engine(
     block_size: int = 16,
     budget: int = 512,
     dtype: str = "float32",
+    attention_backend: str = "auto",
     **sched: int,
 ) -> Engine:
     config = EngineConfig(
         model=str(model_dir),
         dtype=dtype,
+        attention_backend=attention_backend,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=budget, max_model_len=num_blocks * block_size, **sched
@@ -95,14 +97,16 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto: the paged kernel on CPU
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_staggered_batch_with_chunked_prefill_matches_transformers(
-    arch: str, tiny_qwen3_dir: Path, tiny_llama_dir: Path
+    arch: str, backend: str, tiny_qwen3_dir: Path, tiny_llama_dir: Path
 ) -> None:
     """Four requests of different lengths arrive at different steps; the 90-token prompt is
-    longer than the 32-token budget, so it is prefilled in chunks beside running decodes."""
+    longer than the 32-token budget, so it is prefilled in chunks beside running decodes.
+    Both decode attention paths: the paged kernel and the gather + SDPA it replaced."""
     model_dir = tiny_qwen3_dir if arch == "qwen3" else tiny_llama_dir
-    engine = make_engine(model_dir, budget=32, block_size=8)
+    engine = make_engine(model_dir, budget=32, block_size=8, attention_backend=backend)
     prompts = _prompts(2048, [5, 90, 17, 33], seed=3)
     arrivals = {0: [("a", prompts[0], 12)], 1: [("b", prompts[1], 8)], 3: [("c", prompts[2], 10)]}
     arrivals[6] = [("d", prompts[3], 6)]
@@ -177,13 +181,16 @@ def assert_near_greedy(model_dir: Path, prompt: list[int], ours: list[int]) -> N
         assert token in top and gap <= BF16_MAX_LOGPROB_GAP, (i, token, top, gap)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_bf16_tokens_are_near_greedy_under_transformers_bf16(
-    arch: str, tiny_qwen3_dir: Path, tiny_llama_dir: Path
+    arch: str, backend: str, tiny_qwen3_dir: Path, tiny_llama_dir: Path
 ) -> None:
     """Batched, chunked (budget 32 < the 90-token prompt) and mixed with decodes, in bf16."""
     model_dir = tiny_qwen3_dir if arch == "qwen3" else tiny_llama_dir
-    engine = make_engine(model_dir, budget=32, block_size=8, dtype="bfloat16")
+    engine = make_engine(
+        model_dir, budget=32, block_size=8, dtype="bfloat16", attention_backend=backend
+    )
     assert engine.runner.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == torch.bfloat16
     prompts = _prompts(2048, [5, 90, 17], seed=11)
     arrivals = {0: [("a", prompts[0], 12)], 1: [("b", prompts[1], 8)], 3: [("c", prompts[2], 10)]}

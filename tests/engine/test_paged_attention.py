@@ -1,0 +1,78 @@
+"""The paged decode kernel against the math it replaces: softmax(q k^T / sqrt(D)) v over each
+sequence's keys, gathered from its blocks, in fp32. Blocks scattered through the cache, every
+length class (one key, a block boundary exactly, mid-block), GQA group sizes our models use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagg.engine.paged_attention import load_library, make_paged_decode
+
+NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE = 64, 3, 8
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
+
+
+def _reference(q, kv, layer, table, lens):  # q [B, Hq, D] -> [B, Hq, D], fp32
+    hkv, d = kv.shape[3], kv.shape[5]
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        blocks = table[b, : -(-n // BLOCK_SIZE)]
+        k, v = (
+            kv[blocks, layer, i].float().transpose(0, 1).reshape(hkv, -1, d)[:, :n] for i in (0, 1)
+        )
+        qg = q[b].float().view(hkv, -1, d)  # the query heads of each KV head
+        outs.append(F.scaled_dot_product_attention(qg, k, v).reshape(-1, d))
+    return torch.stack(outs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    if load_library() is None:
+        pytest.skip("no C++ compiler here: the engine runs the torch path (tested elsewhere)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (8, 1, 128)]
+)
+def test_kernel_matches_attention_over_gathered_blocks(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_heads * head_dim)
+    kv = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, num_kv_heads, BLOCK_SIZE, head_dim, generator=gen)
+    kv = kv.to(dtype)
+    lens = torch.tensor([1, BLOCK_SIZE, BLOCK_SIZE + 3, 5 * BLOCK_SIZE, 37])
+    width = -(-int(lens.max()) // BLOCK_SIZE)
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    kernel = make_paged_decode("native", kv, num_heads, num_kv_heads)
+    assert kernel is not None
+    for layer in range(NUM_LAYERS):
+        out = kernel(layer, q, table, lens)
+        assert out.dtype == dtype and out.shape == q.shape
+        expected = _reference(q, kv, layer, table, lens)
+        torch.testing.assert_close(
+            out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+        )
+
+
+def test_a_strided_query_is_read_as_its_values() -> None:
+    """The model hands q as a slice of the fused projection (strided rows)."""
+    kv = torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, 3, BLOCK_SIZE, 64)
+    wide = torch.randn(2, 15, 64)  # q|k|v heads side by side
+    q, table, lens = wide[:, :9], torch.tensor([[3, 9], [4, 0]]), torch.tensor([11, 2])
+    kernel = make_paged_decode("native", kv, 9, 3)
+    assert kernel is not None
+    torch.testing.assert_close(kernel(1, q, table, lens), _reference(q, kv, 1, table, lens))
+
+
+def test_backends_where_the_kernel_cannot_run() -> None:
+    """fp16 (no kernel): auto falls back to torch, native refuses; torch never builds one."""
+    kv = torch.zeros(4, 1, 2, 1, BLOCK_SIZE, 64, dtype=torch.float16)
+    assert make_paged_decode("auto", kv, 2, 1) is None
+    with pytest.raises(ValueError, match="native"):
+        make_paged_decode("native", kv, 2, 1)
+    assert make_paged_decode("torch", kv.float(), 2, 1) is None
+    assert make_paged_decode("auto", torch.zeros(4, 1, 2, 1, BLOCK_SIZE, 96), 2, 1) is None
