@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disagg.bench.host import cpu_info
 from disagg.engine.checkpoint import resolve_model
 
 WORKLOADS = {  # name -> disagg bench flags
@@ -238,9 +239,12 @@ def main() -> int:
     print(f"peer_bench: logs in {logs}")
     for dtype in args.dtypes.split(","):
         results[dtype] = run_setting(args, dtype, model_dir, logs)
-    md = table(results)
+    cpu = cpu_info()
+    md = table(results) + (f"\n\nCPU: {cpu['model']} ({cpu['cpus']} cores; "
+                           f"{' '.join(cpu['flags_shown'])}); {args.model}, {args.threads} "
+                           f"thread per server, medians of {args.rounds} rounds")  # fmt: skip
     print(md)
-    doc = {"model": args.model, "threads": args.threads, "rounds": args.rounds,
+    doc = {"cpu": cpu, "model": args.model, "threads": args.threads, "rounds": args.rounds,
            "workload": " ".join(_SHAPE), "prompts": "a fresh seed per round and workload",
            "results": results, "table": md}  # fmt: skip
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
