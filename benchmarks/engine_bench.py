@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.bench.host import cpu_info
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.checkpoint import resolve_model
 from disagg.engine.engine import Engine
@@ -247,7 +248,8 @@ def main() -> None:
     rows.append({"phase": "serving", "size": 16, "disagg_tok_s": ours, "hf_tok_s": theirs})
     print_table(rows)
     result = {
-        "model": args.model, "threads": args.threads, "dtype": engine.runner.dtype_name,
+        "cpu": cpu_info(), "model": args.model, "threads": args.threads,
+        "dtype": engine.runner.dtype_name,
         "rows": rows,
     }  # fmt: skip
     if args.out:
