@@ -76,3 +76,20 @@ def test_backends_where_the_kernel_cannot_run() -> None:
         make_paged_decode("native", kv, 2, 1)
     assert make_paged_decode("torch", kv.float(), 2, 1) is None
     assert make_paged_decode("auto", torch.zeros(4, 1, 2, 1, BLOCK_SIZE, 96), 2, 1) is None
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler-here", "false"])
+def test_without_a_working_compiler_auto_runs_torch_and_native_refuses(
+    compiler: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """No compiler on PATH, or one that fails: logged, never raised from auto."""
+    monkeypatch.setenv("CXX", compiler)
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path))
+    load_library.cache_clear()
+    try:
+        kv = torch.zeros(4, 1, 2, 1, BLOCK_SIZE, 64)
+        assert make_paged_decode("auto", kv, 2, 1) is None
+        with pytest.raises(ValueError, match="did not build"):
+            make_paged_decode("native", kv, 2, 1)
+    finally:
+        load_library.cache_clear()  # the next caller builds (or finds) the real one
