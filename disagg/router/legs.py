@@ -236,7 +236,7 @@ class Legs:
     async def _fence_then_release(
         self, decode: Instance, request_id: str, prefill: Instance, lease_id: str
     ) -> None:
-        answer = await self._post_internal(decode, "/v1/abort", request_id, fence=True)
+        answer = await self._post_internal(decode, "/v1/abort", request_id, {"fence": True})
         if isinstance(answer, dict) and answer.get("fenced") is True:
             await self._post_internal(prefill, KV_RELEASE_PATH, lease_id)
 
@@ -246,18 +246,22 @@ class Legs:
         task.add_done_callback(self._background.discard)
         task.add_done_callback(consume)
 
-    async def _post_internal(self, inst: Instance, path: str, request_id: str, **extra: Any) -> Any:
-        """The instance's JSON answer (None when it failed or sent none)."""
+    async def _post_internal(
+        self, inst: Instance, path: str, request_id: str, extra: dict[str, Any] | None = None
+    ) -> Any:
+        """POST {"request_id", **extra}. With `extra` the caller acts on the answer: it is
+        read, its signature checked, and returned as JSON (None when it failed); without,
+        only the status is logged."""
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
         url = f"{inst.url}{path}"
-        data = json.dumps({"request_id": request_id, **extra}).encode()
+        data = json.dumps({"request_id": request_id, **(extra or {})}).encode()
         headers = self._signature(url, data)
         try:
             async with self.session.post(url, data=data, headers=headers, timeout=timeout) as resp:
                 logger.info("%s %s on %s: %s", path, request_id, inst.url, resp.status)
-                raw = await resp.read()
-                if resp.status != 200:
+                if extra is None or resp.status != 200:
                     return None
+                raw = await resp.read()
                 self._check_answer(headers, resp, raw)
                 return json.loads(raw)
         except (aiohttp.ClientError, TimeoutError, ValueError, auth.SignatureError) as exc:

@@ -450,8 +450,10 @@ class _Server:
             raise APIError(400, "request_id must be a non-empty string", param="request_id")
         if not isinstance(fence, bool):
             raise APIError(400, "fence must be a boolean", param="fence")
-        is_fenced = fence and not await self._engine.fence(request_id)
-        if not fence:
+        is_fenced = False
+        if fence:
+            is_fenced = not await self._engine.fence(request_id)
+        else:
             await self._engine.abort(request_id)
         return web.json_response({"request_id": request_id, "aborted": True, "fenced": is_fenced})
 
