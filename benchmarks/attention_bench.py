@@ -102,7 +102,8 @@ def profile(engine: Engine, batch: int, context: int) -> list[dict[str, Any]]:
 # ---- one layer ---------------------------------------------------------------------------------
 
 
-def _torch_path(q, kv, layer, table, lens):  # as model_runner's torch path computes it
+def _torch_path(q, kv, layer, table, lens):  # the gather, then SDPA (the runner's fp32 path;
+    # at bf16 it runs two bmms instead: the step rows measure that)
     b, hq, d = q.shape
     hkv = kv.shape[3]
     k, v = (kv[table, layer, i].transpose(1, 2).reshape(b, hkv, -1, d) for i in (0, 1))
