@@ -1,17 +1,20 @@
-"""Decode attention over the paged KV cache: our kernel against the torch path it replaced, and
-against torch's flex_attention, measured side by side in one run on this CPU.
+"""Attention over the paged KV cache: our kernels against the torch path they replaced, and
+decode against torch's flex_attention, measured side by side in one run on this CPU.
 
-Two views:
+Views:
 - **step**: a whole decode step of the real engine (SmolLM2-135M, one thread) at batch B with
   C tokens of context, `--attention-backend native` vs `torch` (gather + GEMM/SDPA), the two
   engines alternated round by round; plus each one's top ops by self CPU time (the profile).
+- **prefill**: the engine's step that prefills one new prompt of C tokens, native vs torch
+  (SDPA's causal flash kernel), alternated; plus one layer's prefill attention alone.
 - **layer**: one layer's decode attention on the same shapes: the kernel, the torch path, and
   (at batch 1 and 32) flex_attention compiled by inductor. flex needs each layer's K/V as one
   [1, Hkv, slots, D] pool, a layout our cache does not have (a block holds all layers together,
   so one transfer descriptor moves it): its figure is what that layout change would buy, and
   it excludes building the block mask (which the engine would pay every step).
 
-    python benchmarks/attention_bench.py [--rounds 3] [--out docs/results/attention_bench.json]
+    python benchmarks/attention_bench.py [--rounds 3] [--only decode|prefill]
+        [--out docs/results/attention_bench.json]
 
 Prints a table; the last stdout line is the JSON document.
 """
@@ -32,11 +35,12 @@ from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.checkpoint import resolve_model
 from disagg.engine.dtypes import cpu_has_fast_bf16
 from disagg.engine.engine import Engine
-from disagg.engine.paged_attention import make_paged_decode
+from disagg.engine.paged_attention import make_paged_attention
 from disagg.protocol import SamplingParams
 
 BLOCK_SIZE = 16
 SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024)]  # (batch, context tokens)
+PROMPTS = [256, 1024]  # prefill: tokens of one new prompt
 STEPS = 10  # decode steps timed per round
 
 
@@ -73,6 +77,18 @@ def step_ms(engine: Engine, batch: int, context: int, seed: int) -> float:
     for _ in range(STEPS):
         engine.step()
     elapsed = (time.perf_counter() - started) / STEPS * 1000
+    _drain(engine)
+    return elapsed
+
+
+def prefill_ms(engine: Engine, tokens: int, seed: int) -> float:
+    """The step that prefills one new prompt (no other work in the engine)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    prompt = torch.randint(100, 30000, (tokens,), generator=gen).tolist()
+    engine.add_request(f"p{seed}-{tokens}", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    started = time.perf_counter()
+    engine.step()
+    elapsed = (time.perf_counter() - started) * 1000
     _drain(engine)
     return elapsed
 
@@ -154,10 +170,10 @@ def layer_row(dtype: torch.dtype, batch: int, context: int, with_flex: bool) -> 
     table = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
     lens = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, 9, 64, generator=gen).to(dtype)
-    kernel = make_paged_decode("native", kv, 9, 3)
+    kernel = make_paged_attention("native", kv, 9, 3)
     assert kernel is not None
     row = {
-        "native_ms": _time_ms(lambda: kernel(7, q, table, lens)),
+        "native_ms": _time_ms(lambda: kernel.decode(7, q, table, lens)),
         "torch_ms": _time_ms(lambda: _torch_path(q, kv, 7, table, lens)),
     }
     if not with_flex:
@@ -175,7 +191,50 @@ def layer_row(dtype: torch.dtype, batch: int, context: int, with_flex: bool) -> 
     return row
 
 
+def _sdpa_prefill(q, k, v):  # the runner's torch path for a first chunk: GQA heads repeated
+    groups = q.shape[1] // k.shape[0]
+    k, v = (x.repeat_interleave(groups, 0)[None] for x in (k, v))
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True)
+
+
+def prefill_layer_row(dtype: torch.dtype, tokens: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(tokens)
+    width = -(-tokens // BLOCK_SIZE)
+    kv = torch.randn(width * 2, 30, 2, 3, BLOCK_SIZE, 64, generator=gen).to(dtype)
+    blocks = torch.randperm(width * 2, generator=gen)[:width]
+    q = torch.randn(tokens, 9, 64, generator=gen).to(dtype)
+    k, v = (kv[blocks, 7, i].transpose(0, 1).reshape(3, -1, 64)[:, :tokens] for i in (0, 1))
+    kernel = make_paged_attention("native", kv, 9, 3)
+    assert kernel is not None
+    repeat = 10 if tokens > 512 else 30
+    native = _time_ms(lambda: kernel.prefill(7, q, blocks, 0), repeat)
+    sdpa = _time_ms(lambda: _sdpa_prefill(q, k.contiguous(), v.contiguous()), repeat)
+    gflop = 4 * 9 * 64 * tokens * (tokens + 1) / 2 / 1e9  # QK^T and PV, causal
+    return {"native_ms": native, "torch_ms": sdpa, "native_gflops": gflop / native * 1000,
+            "torch_gflops": gflop / sdpa * 1000}  # fmt: skip
+
+
 # ---- the run -----------------------------------------------------------------------------------
+
+
+def run_prefill(model_dir: str, dtype: str, rounds: int, result: dict[str, Any]) -> None:
+    engines = {b: _engine(model_dir, dtype, b) for b in ("native", "torch")}
+    for engine in engines.values():
+        prefill_ms(engine, 64, seed=-1)  # first-step costs out of the way
+    for tokens in PROMPTS:
+        times: dict[str, list[float]] = {b: [] for b in engines}
+        for r in range(rounds):
+            for backend, engine in engines.items():  # alternated round by round
+                times[backend].append(prefill_ms(engine, tokens, seed=r))
+        key = f"{dtype} prompt {tokens}"
+        row = {f"{b}_ms": statistics.median(t) for b, t in times.items()}
+        row.update(runs_ms=times, speedup=row["torch_ms"] / row["native_ms"])
+        row["layer"] = prefill_layer_row(getattr(torch, dtype), tokens)
+        result["prefill"][key] = row
+        print(f"prefill {key:26s} torch {row['torch_ms']:7.1f} ms  native "
+              f"{row['native_ms']:7.1f} ms  x{row['speedup']:.2f}  (one layer: torch "
+              f"{row['layer']['torch_ms']:.2f} / native {row['layer']['native_ms']:.2f} ms)",
+              flush=True)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,8 +244,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"cpu": cpu_info(), "model": args.model, "threads": args.threads,
                               "block_size": BLOCK_SIZE, "steps_per_round": STEPS,
                               "rounds": args.rounds}  # fmt: skip
-    result.update(step={}, layer={}, profile={})
+    result.update(step={}, layer={}, profile={}, prefill={})
     for dtype in dtypes:
+        if args.only != "decode":
+            run_prefill(model_dir, dtype, args.rounds, result)
+        if args.only == "prefill":
+            continue
         engines = {b: _engine(model_dir, dtype, b) for b in ("native", "torch")}
         for batch, context in SHAPES:
             times: dict[str, list[float]] = {b: [] for b in engines}
@@ -217,6 +280,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=["decode", "prefill"], default=None)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     result = run(args)

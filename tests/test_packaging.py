@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from disagg.engine import paged_attention
+
 ROOT = Path(__file__).resolve().parents[1]
 PIP_TIMEOUT_S = 600
 UP_TIMEOUT_S = 180
@@ -45,7 +47,8 @@ def test_nixl_is_an_extra_not_a_requirement(wheel: Path) -> None:
     assert "Provides-Extra: nixl" in metadata(wheel)
     with zipfile.ZipFile(wheel) as zf:  # the simulator's profiles travel with the package
         assert "disagg/sim/hardware/h200-p5en.toml" in zf.namelist()
-        assert "disagg/engine/csrc/paged_attention.cpp" in zf.namelist()  # built at first use
+        for source in (*paged_attention._SOURCES, *paged_attention._HEADERS):  # built at first use
+            assert f"disagg/engine/csrc/{source.name}" in zf.namelist()
 
 
 @pytest.fixture(scope="module")

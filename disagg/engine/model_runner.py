@@ -10,9 +10,10 @@ Heads outside tokens inside a block: one (block, layer, k|v, head) is a contiguo
 [..., 2, Hkv, T, D] — what SDPA reads without another copy.
 
 Attention: new K/V are scattered into their slots, then each prefill chunk attends over its
-gathered blocks (causal, offset by the cached prefix) and all decodes attend in one batch: on
-CPU through our paged kernel, which reads the blocks in place (paged_attention.py), elsewhere
-gathered into a padded batch for SDPA, so the same code runs on CPU and CUDA.
+blocks (causal, offset by the cached prefix) and all decodes attend in one batch: on CPU
+through our paged kernels, which read the blocks in place (paged_attention.py), elsewhere
+through SDPA over gathered blocks (decodes padded into one batch), so the same code runs on
+CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
 from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from disagg.engine.paged_attention import make_paged_decode
+from disagg.engine.paged_attention import make_paged_attention
 from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables
 from disagg.engine.sampler import Sampler
 
@@ -40,7 +41,8 @@ class _Prefill:
     token_start: int  # first row of this chunk in the flat batch
     num_tokens: int
     start_pos: int  # tokens already cached before the chunk
-    rows: torch.Tensor  # [2, Hkv, num_blocks_used] long: its KV row groups in layer 0
+    blocks: torch.Tensor  # [num_blocks_used] long: the blocks its keys sit in
+    rows: torch.Tensor | None  # torch path: [2, Hkv, num_blocks_used] row groups in layer 0
 
 
 @dataclass(slots=True)
@@ -92,7 +94,7 @@ class ModelRunner:
         self._gather_buf = self._row_groups.new_empty((0, *self._row_groups.shape[1:]))
         self.sampler = Sampler(self.device, config.seed)
         self._gemm_decode_attention = self.device.type == "cpu" and self.dtype != torch.float32
-        self._paged_decode = make_paged_decode(
+        self._paged = make_paged_attention(
             config.attention_backend, self.kv_cache, spec.num_heads, spec.num_kv_heads
         )
 
@@ -170,8 +172,9 @@ class ModelRunner:
                 decodes.append(req)
             else:
                 assert not decodes, "prefill chunks must precede decodes in the batch"
-                used = req.block_ids[: -(-(req.start_pos + n) // bs)]
-                prefills.append(_Prefill(row, n, req.start_pos, self._rows(self._long(used))))
+                used = self._long(req.block_ids[: -(-(req.start_pos + n) // bs)])
+                rows = self._rows(used) if self._paged is None and req.start_pos else None
+                prefills.append(_Prefill(row, n, req.start_pos, used, rows))
             if req.do_sample:
                 sample_rows.append(row + n - 1)
                 sampled.append(req)
@@ -209,7 +212,7 @@ class ModelRunner:
         """The torch path's gather rows and the key mask every layer shares (built once per
         step; None when every context fills its blocks exactly, so nothing is masked). Padding
         keys are masked rather than sliced off: a slice would make K and V strided."""
-        if table is None or lens is None or self._paged_decode is not None:
+        if table is None or lens is None or self._paged is not None:
             return None, None
         rows = self._rows(table).movedim(1, 0).contiguous()
         keys = table.shape[1] * self.block_size
@@ -269,8 +272,11 @@ class ModelRunner:
     def _prefill_attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: _Prefill
     ) -> torch.Tensor:
+        if self._paged is not None:  # K/V are in the cache already: read in place
+            return self._paged.prefill(layer, q, chunk.blocks, chunk.start_pos)
         ctx = chunk.start_pos + chunk.num_tokens
         if chunk.start_pos > 0:  # a cached prefix or earlier chunks: read them from the cache
+            assert chunk.rows is not None
             k, v = self._gather(layer, chunk.rows)  # [Hkv, T, D]
             k, v = k[:, :ctx], v[:, :ctx]
         else:
@@ -297,9 +303,9 @@ class ModelRunner:
         return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, inputs: _StepInputs) -> torch.Tensor:
-        if self._paged_decode is not None:
+        if self._paged is not None:
             assert inputs.decode_table is not None and inputs.decode_lens is not None
-            return self._paged_decode(layer, q, inputs.decode_table, inputs.decode_lens)
+            return self._paged.decode(layer, q, inputs.decode_table, inputs.decode_lens)
         assert inputs.decode_rows is not None
         k, v = self._gather(layer, inputs.decode_rows)  # [B, Hkv, T, D]; padding keys masked
         b, num_heads, d = q.shape

@@ -1,17 +1,21 @@
-"""Decode attention over the paged KV cache without the gather, on CPU: our own kernel
-(csrc/paged_attention.cpp), built at first use and called through ctypes.
+"""Attention over the paged KV cache without the gather, on CPU: kernels of our own
+(csrc/paged_decode.cpp, csrc/paged_prefill.cpp), built at first use and called through ctypes.
 
-Why a kernel of our own (measured on the development CPU, one thread, SmolLM2-135M at batch 32
-and 336 keys, `python benchmarks/attention_bench.py`): the torch path gathers every decode's
-blocks into one contiguous copy per layer (index_select), then runs two batched GEMMs (bf16) or
-SDPA (fp32) on it; the gather alone was ~20% of a step. The kernel reads each key and value
-row once, in place, and scores the query heads that share a KV head together. torch's
-flex_attention cannot stand in: it wants K/V as one [B, H, S, D] tensor per layer, and our
-cache holds all layers of a block together (one transfer descriptor per block), so a layer's
-keys are no single strided view.
+Why kernels of our own (measured on the development CPU, one thread, SmolLM2-135M shapes,
+`python benchmarks/attention_bench.py`):
+- decode: the torch path gathers every decode's blocks into one contiguous copy per layer
+  (index_select), then runs two batched GEMMs (bf16) or SDPA (fp32) on it; the gather alone
+  was ~20% of a batch-32 step. The kernel reads each key and value row once, in place, and
+  scores the query heads that share a KV head together.
+- prefill: SDPA's causal flash kernel ran at ~30-45 GFLOP/s here, a tenth of the GEMMs' rate,
+  and needs the KV heads repeated for GQA (and a gather after a cached prefix). Ours tiles 16
+  tokens x the query heads of one KV head against fp32 key panels, 2-2.6x faster.
+torch's flex_attention cannot stand in: it wants K/V as one [B, H, S, D] tensor per layer, and
+our cache holds all layers of a block together (one transfer descriptor per block), so a
+layer's keys are no single strided view.
 
 Built with the system C++ compiler (`$CXX`, default g++) for this CPU (-march=native) into the
-disagg cache, keyed by source, flags, compiler and CPU flags, so a restart or a second instance
+disagg cache, keyed by sources, flags, compiler and CPU flags, so a restart or a second instance
 loads it (~ms). Without a compiler, or on CUDA, or for fp16, the torch path runs.
 """
 
@@ -32,36 +36,43 @@ import torch
 
 from disagg.config import cache_dir
 
-__all__ = ["PagedDecode", "load_library", "make_paged_decode"]
+__all__ = ["PagedAttention", "load_library", "make_paged_attention"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "paged_decode.cpp", _CSRC / "paged_prefill.cpp")
+_HEADERS = (_CSRC / "paged_kv.h",)
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 120.0
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # what the kernel reads -> its is_bf16 flag
 
 _i64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p] * 5 + [_i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_TAIL = [ctypes.c_float, ctypes.c_int, ctypes.c_int]  # scale, is_bf16, num_threads
+_DECODE_ARGS = [ctypes.c_void_p] * 5 + [_i64] * 8 + _TAIL
+_PREFILL_ARGS = [ctypes.c_void_p] * 4 + [_i64] * 8 + _TAIL
 
 
-class PagedDecode:
-    """Callable: (layer, q [B, Hq, D], table [B, W] long, lens [B] long) -> [B, Hq, D]."""
+class PagedAttention:
+    """The kernels bound to one cache: `decode` for a batch of one-token sequences, `prefill`
+    for one sequence's chunk of new tokens (its K/V already written to the cache)."""
 
     def __init__(self, lib: ctypes.CDLL, kv_cache: torch.Tensor, num_heads: int) -> None:
-        self._run = lib.disagg_paged_decode
+        self._decode = lib.disagg_paged_decode
+        self._prefill = lib.disagg_paged_prefill
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, Hkv, block_size, D], contiguous
         _, self.num_layers, _, self.num_kv_heads, self.block_size, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
         self.is_bf16 = _DTYPES[kv_cache.dtype]
         self.scale = self.head_dim**-0.5
 
-    def __call__(
+    def decode(
         self, layer: int, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     ) -> torch.Tensor:
+        """q [B, Hq, D]; table [B, W] long block ids; lens [B] long keys each -> [B, Hq, D]."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        status = self._run(
+        status = self._decode(
             q.data_ptr(), self.kv_cache.data_ptr(), out.data_ptr(), table.data_ptr(),
             lens.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
             self.num_layers, self.block_size, table.shape[1], layer, self.scale, self.is_bf16,
@@ -71,10 +82,27 @@ class PagedDecode:
             raise RuntimeError(f"paged decode kernel refused its shapes (status {status})")
         return out
 
+    def prefill(
+        self, layer: int, q: torch.Tensor, blocks: torch.Tensor, start_pos: int
+    ) -> torch.Tensor:
+        """q [n, Hq, D], the tokens at positions start_pos .. start_pos + n - 1; blocks [nb]
+        long, the sequence's blocks covering start_pos + n keys -> [n, Hq, D], causal."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = self._prefill(
+            q.data_ptr(), self.kv_cache.data_ptr(), out.data_ptr(), blocks.data_ptr(),
+            q.shape[0], start_pos, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_layers, self.block_size, layer, self.scale, self.is_bf16,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"paged prefill kernel refused its shapes (status {status})")
+        return out
 
-def make_paged_decode(
+
+def make_paged_attention(
     backend: str, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> PagedDecode | None:
+) -> PagedAttention | None:
     """The kernel for this cache, or None where the torch path must run. `backend`: "auto"
     (the kernel where it can run), "native" (the kernel or ValueError), "torch" (None)."""
     if backend == "torch":
@@ -90,10 +118,10 @@ def make_paged_decode(
     if reason is not None:
         if backend == "native":
             raise ValueError(f"attention backend native: {reason}")
-        log.info("decode attention: torch (native kernel unusable: %s)", reason)
+        log.info("attention: torch (native kernels unusable: %s)", reason)
         return None
-    log.info("decode attention: native paged kernel")
-    return PagedDecode(lib, kv_cache, num_heads)
+    log.info("attention: native paged kernels (prefill and decode)")
+    return PagedAttention(lib, kv_cache, num_heads)
 
 
 def _unusable(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> str | None:
@@ -113,18 +141,22 @@ def load_library() -> ctypes.CDLL | None:
     into place: the result is the same, and nobody waits on a lock a dead process left."""
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
-        log.warning("no C++ compiler %s on PATH: the paged decode kernel is not built", compiler)
+        log.warning(
+            "no C++ compiler %s on PATH: the paged attention kernels are not built", compiler
+        )
         return None
     path = _library_path(compiler)
     if not path.exists():
         try:
             _build(compiler, path)
         except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("the paged decode kernel did not build: %s", exc)
+            log.warning("the paged attention kernels did not build: %s", exc)
             return None
     lib = ctypes.CDLL(str(path))
-    lib.disagg_paged_decode.argtypes = _ARGTYPES
+    lib.disagg_paged_decode.argtypes = _DECODE_ARGS
     lib.disagg_paged_decode.restype = ctypes.c_int
+    lib.disagg_paged_prefill.argtypes = _PREFILL_ARGS
+    lib.disagg_paged_prefill.restype = ctypes.c_int
     lib.disagg_paged_decode_supports.argtypes = [_i64, _i64]
     lib.disagg_paged_decode_supports.restype = ctypes.c_int
     return lib
@@ -137,7 +169,8 @@ def _library_path(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=10, check=False
     ).stdout
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags()):
+    sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
+    for part in (*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags()):
         key.update(part)
     return cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
 
@@ -158,7 +191,7 @@ def _build(compiler: str, path: Path) -> None:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)],
             capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False,
         )  # fmt: skip
         if result.returncode != 0:
@@ -167,4 +200,4 @@ def _build(compiler: str, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the paged decode kernel in %.1f s", time.perf_counter() - started)
+    log.info("built the paged attention kernels in %.1f s", time.perf_counter() - started)

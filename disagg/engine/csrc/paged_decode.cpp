@@ -2,50 +2,24 @@
 // and values read in place from their blocks (no gather into a contiguous copy first).
 //
 // Built at first use by disagg/engine/paged_attention.py (g++ -O3 -march=native) and called
-// through ctypes with raw pointers: no torch headers, so the build takes about a second.
+// through ctypes with raw pointers: no torch headers, so the build takes a few seconds.
 //
-// Cache layout (model_runner.py): kv[num_blocks, num_layers, 2 (k|v), num_kv_heads, block_size,
-// head_dim], so one (block, layer, k|v, head) is a contiguous [block_size, head_dim] row group.
 // Per (sequence, KV head) the G query heads that share it are scored together: each key row
 // is converted to fp32 once and used G times. Softmax and accumulation are in fp32.
 
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "paged_kv.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  const uint32_t bits = uint32_t(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store(float* dst, float x) { *dst = x; }
-// Round to nearest even, as torch rounds. Built with -ffast-math (finite math): the scores'
-// exp and sums vectorize only so (1.4-1.7x measured), and a finite cache gives finite outputs.
-inline void store(uint16_t* dst, float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  *dst = uint16_t(bits >> 16);
-}
-
-// Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming.
-template <typename T>
-inline void prefetch(const T* start, int64_t count) {
-  const char* p = reinterpret_cast<const char*>(start);
-  for (int64_t offset = 0; offset < count * int64_t(sizeof(T)); offset += 64)
-    __builtin_prefetch(p + offset, 0, 3);
-}
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, num_layers, block_size, table_width;
-};
+using disagg::prefetch;
+using disagg::Shape;
+using disagg::store;
+using disagg::to_float;
 
 // The G query heads of KV head `h` of one sequence of `n` tokens; `table`: its block ids.
 template <typename T, int G, int D>
