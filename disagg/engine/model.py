@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.fused_ops import FusedOps
 from disagg.engine.linear import PackedLinear, concat_linears, to_packed
 from disagg.engine.rope import rotate
 
@@ -29,6 +30,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: FusedOps | None = None  # set by CausalLM.prepare_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's rms_norm: in fp32 the reference's math; in bf16/fp16 it normalizes in fp32 and
@@ -36,6 +38,17 @@ class RMSNorm(nn.Module):
         # close to an fp32 result as the reference is, and ~20% faster than the reference's
         # eight separate calls on CPU, where rms_norm is itself a composite op).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the norm after it,
+        in one pass where the fused kernel runs (the sum rounded to the stream's dtype first,
+        as torch's add rounds it)."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self(summed), summed
 
 
 class Attention(nn.Module):
@@ -92,6 +105,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate|up in one GEMM, set by fuse()
+        self.fused: FusedOps | None = None  # SiLU x up in one pass, set by prepare_for_inference
 
     def fuse(self) -> None:
         self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
@@ -100,7 +114,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -113,10 +130,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the embedding
+        for the first layer, whose stream is None). Returns (this layer's output, the stream):
+        the add waits for the next norm, so add and norm run as one op."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(h, cos, sin, attention), residual
+        )
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -144,15 +175,22 @@ class CausalLM(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attention)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attention)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
-    def prepare_for_inference(self, pack: bool) -> None:
+    def prepare_for_inference(self, pack: bool, fused: FusedOps | None = None) -> None:
         """After load_weights: fuse q/k/v and gate/up into one projection each, and with `pack`
         (CPU with oneDNN) hold every projection's weight pre-reordered (see linear.py). The
         vocabulary projection gets its own packed copy of a tied embedding table (+vocab x
-        hidden elements of memory: 57 MB at bf16 for SmolLM2) so the lookup table stays plain."""
+        hidden elements of memory: 57 MB at bf16 for SmolLM2) so the lookup table stays plain.
+        `fused`: the CPU kernels for add + norm and SiLU x up (fused_ops.py), or None."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | MLP):
+                module.fused = fused
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from disagg.config import EngineConfig, limit_native_caches
 from disagg.engine.checkpoint import ModelSpec, load_weights
 from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
+from disagg.engine.fused_ops import make_fused_ops
 from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -105,7 +106,8 @@ class ModelRunner:
         model.load_weights(load_weights(model_dir, self.dtype, str(self.device)))
         if self.spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.prepare_for_inference(pack=packable(self.device, self.dtype))
+        fused = make_fused_ops(self.config.attention_backend, self.device, self.dtype)
+        model.prepare_for_inference(pack=packable(self.device, self.dtype), fused=fused)
         return model.eval()
 
     # ------------------------------------------------------------------ KV buffer facts

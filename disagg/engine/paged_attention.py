@@ -14,43 +14,22 @@ torch's flex_attention cannot stand in: it wants K/V as one [B, H, S, D] tensor 
 our cache holds all layers of a block together (one transfer descriptor per block), so a
 layer's keys are no single strided view.
 
-Built with the system C++ compiler (`$CXX`, default g++) for this CPU (-march=native) into the
-disagg cache, keyed by sources, flags, compiler and CPU flags, so a restart or a second instance
-loads it (~ms). Without a compiler, or on CUDA, or for fp16, the torch path runs.
+Built with the other CPU kernels (cpu_kernels.py). Without a compiler, or on CUDA, or for fp16,
+the torch path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-from disagg.config import cache_dir
+from disagg.engine.cpu_kernels import KERNEL_DTYPES, load_library
 
-__all__ = ["PagedAttention", "load_library", "make_paged_attention"]
+__all__ = ["PagedAttention", "make_paged_attention"]
 
 log = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "paged_decode.cpp", _CSRC / "paged_prefill.cpp")
-_HEADERS = (_CSRC / "paged_kv.h",)
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_BUILD_TIMEOUT_S = 120.0
-_DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # what the kernel reads -> its is_bf16 flag
-
-_i64 = ctypes.c_int64
-_TAIL = [ctypes.c_float, ctypes.c_int, ctypes.c_int]  # scale, is_bf16, num_threads
-_DECODE_ARGS = [ctypes.c_void_p] * 5 + [_i64] * 8 + _TAIL
-_PREFILL_ARGS = [ctypes.c_void_p] * 4 + [_i64] * 8 + _TAIL
 
 
 class PagedAttention:
@@ -63,7 +42,7 @@ class PagedAttention:
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, Hkv, block_size, D], contiguous
         _, self.num_layers, _, self.num_kv_heads, self.block_size, self.head_dim = kv_cache.shape
         self.num_heads = num_heads
-        self.is_bf16 = _DTYPES[kv_cache.dtype]
+        self.is_bf16 = KERNEL_DTYPES[kv_cache.dtype]
         self.scale = self.head_dim**-0.5
 
     def decode(
@@ -110,7 +89,7 @@ def make_paged_attention(
     reason = _unusable(kv_cache, num_heads, num_kv_heads)
     lib = None if reason else load_library()
     if reason is None and lib is None:
-        reason = "the kernel did not build (see the warning above)"
+        reason = "the kernels did not build (see the warning above)"
     if reason is None and not lib.disagg_paged_decode_supports(
         num_heads // num_kv_heads, kv_cache.shape[-1]
     ):
@@ -127,77 +106,8 @@ def make_paged_attention(
 def _unusable(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> str | None:
     if kv_cache.device.type != "cpu":
         return f"runs on CPU only, the cache is on {kv_cache.device}"
-    if kv_cache.dtype not in _DTYPES:
+    if kv_cache.dtype not in KERNEL_DTYPES:
         return f"reads bfloat16 or float32, the cache is {kv_cache.dtype}"
     if not kv_cache.is_contiguous() or num_heads % num_kv_heads:
         return "needs a contiguous cache and whole query-head groups"
     return None
-
-
-@functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The built kernel (built now if this machine has none yet), or None when it cannot be
-    built here (logged once). Concurrent builders each write their own file and rename it
-    into place: the result is the same, and nobody waits on a lock a dead process left."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        log.warning(
-            "no C++ compiler %s on PATH: the paged attention kernels are not built", compiler
-        )
-        return None
-    path = _library_path(compiler)
-    if not path.exists():
-        try:
-            _build(compiler, path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("the paged attention kernels did not build: %s", exc)
-            return None
-    lib = ctypes.CDLL(str(path))
-    lib.disagg_paged_decode.argtypes = _DECODE_ARGS
-    lib.disagg_paged_decode.restype = ctypes.c_int
-    lib.disagg_paged_prefill.argtypes = _PREFILL_ARGS
-    lib.disagg_paged_prefill.restype = ctypes.c_int
-    lib.disagg_paged_decode_supports.argtypes = [_i64, _i64]
-    lib.disagg_paged_decode_supports.restype = ctypes.c_int
-    return lib
-
-
-def _library_path(compiler: str) -> Path:
-    """Keyed by everything the binary depends on: a changed source, flag, compiler or CPU
-    (a cache dir shared between machines) gets its own build."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=10, check=False
-    ).stdout
-    key = hashlib.sha256()
-    sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
-    for part in (*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags()):
-        key.update(part)
-    return cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-
-
-def _cpu_flags() -> bytes:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return b""
-    rows = [row for row in text.splitlines() if row.startswith(("flags", "Features"))]
-    return rows[0].encode() if rows else b""
-
-
-def _build(compiler: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)],
-            capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise subprocess.SubprocessError(result.stderr.strip()[-2000:] or "compiler failed")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the paged attention kernels in %.1f s", time.perf_counter() - started)

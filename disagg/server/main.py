@@ -71,9 +71,9 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
     (EngineConfig, "seed", "--seed", "sampling seed"),
     (EngineConfig, "num_threads", "--num-threads", "torch CPU threads (0 = torch's default)"),
     (EngineConfig, "attention_backend", "--attention-backend",
-     "attention: auto = our paged CPU kernels (prefill and decode) where they run (built at "
-     "first use with the C++ compiler), else torch; native = those kernels or refuse to "
-     "start; torch = SDPA (over gathered blocks where a cached prefix or decode needs them)"),
+     "our CPU kernels: auto = paged attention (prefill and decode) and the fused add+norm and "
+     "SiLU x up where they run (built at first use with the C++ compiler), else torch; native "
+     "= those kernels or refuse to start; torch = torch's ops only (SDPA over gathered blocks)"),
     (CacheConfig, "block_size", "--block-size", "tokens per KV block (a power of two)"),
     (CacheConfig, "num_blocks", "--num-blocks", "KV blocks in the pool: its size caps the "
      "tokens held at once (num_blocks x block_size)"),

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disagg.engine.paged_attention import load_library, make_paged_attention
+from disagg.engine.cpu_kernels import load_library
+from disagg.engine.paged_attention import make_paged_attention
 
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE = 64, 3, 8
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding

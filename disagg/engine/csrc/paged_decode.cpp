@@ -117,18 +117,9 @@ void erased(const void* q, const void* kv, void* out, const int64_t* table, cons
                   table, lens, num_seqs, s, layer, scale, num_threads);
 }
 
-// Head sizes 64 and 128, 1 to 8 query heads per KV head: the models we serve.
 template <typename T>
 Kernel pick(int64_t groups, int64_t head_dim) {
-#define DISAGG_CASE(g, d) \
-  if (groups == g && head_dim == d) return &erased<T, g, d>;
-#define DISAGG_CASES(d)                                                                 \
-  DISAGG_CASE(1, d) DISAGG_CASE(2, d) DISAGG_CASE(3, d) DISAGG_CASE(4, d) DISAGG_CASE(5, d) \
-  DISAGG_CASE(6, d) DISAGG_CASE(7, d) DISAGG_CASE(8, d)
-  DISAGG_CASES(64)
-  DISAGG_CASES(128)
-#undef DISAGG_CASES
-#undef DISAGG_CASE
+  DISAGG_FOR_EACH_SHAPE(DISAGG_RETURN_IF_SHAPE)
   return nullptr;
 }
 

@@ -51,3 +51,15 @@ struct Strides {
 };
 
 }  // namespace disagg
+
+// The shapes both kernels are built for (the models we serve): head sizes 64 and 128, 1 to 8
+// query heads per KV head. CASE(groups, head_dim) is expanded once per shape.
+#define DISAGG_FOR_EACH_SHAPE(CASE)                                                     \
+  CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64)   \
+  CASE(8, 64) CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128)          \
+  CASE(6, 128) CASE(7, 128) CASE(8, 128)
+
+// For pick(): returns `&erased<T, g, d>` when the shape matches (the use site has `groups`,
+// `head_dim`, the element type `T` and its kernel template `erased`).
+#define DISAGG_RETURN_IF_SHAPE(g, d) \
+  if (groups == g && head_dim == d) return &erased<T, g, d>;
