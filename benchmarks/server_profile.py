@@ -11,7 +11,11 @@ py-spy is not a dependency of this project: install it anywhere (`pip install py
 `--py-spy PATH` (default: the one on PATH). Sampling needs ptrace rights over the server (root,
 or a kernel that allows it). Without py-spy this prints one line and exits 0.
 
-    python benchmarks/server_profile.py [--dtype auto] [--out docs/results/server_profile.json]
+    python benchmarks/server_profile.py [--dtype auto] [--busy-cores 1]
+        [--out docs/results/server_profile.json]
+
+`--busy-cores N` runs N spinning processes beside the server during the sampled run: the
+machine under outside load, where a shared interpreter should hurt most.
 
 Prints a table; the last stdout line is the JSON document.
 """
@@ -42,13 +46,14 @@ _WORKLOAD = ["--input-len", "256", "--output-len", "64", "--num-prompts", "32"]
 _ENGINE_PARTS = [
     ("attention kernel: prefill", "PagedAttention.prefill"),
     ("attention kernel: decode", "PagedAttention.decode"),
-    ("attention: torch path", "_prefill_attention"),
+    ("attention: prefill, outside the kernel", "_prefill_attention"),
     ("attention: KV scatter", "_attention (disagg/engine/model_runner.py"),
     ("GEMMs (packed linear)", "PackedLinear.forward"),
     ("GEMMs (plain linear)", "linear (torch"),
     ("vocabulary projection", "compute_logits"),
     ("sampling", "sampler.py"),
     ("RoPE", "rotate (disagg/engine/rope.py"),
+    ("add + RMSNorm", "RMSNorm.add_and_norm"),
     ("RMSNorm", "RMSNorm.forward"),
     ("MLP pointwise (SiLU, mul)", "MLP.forward"),
     ("model: residual adds, reshapes", "model.py"),
@@ -113,9 +118,15 @@ def run(args: argparse.Namespace, spy: str) -> dict:
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )  # fmt: skip
         time.sleep(1)  # attached before the load starts
+        spin = [sys.executable, "-c", "while True: pass"]
+        spinners = [subprocess.Popen(spin) for _ in range(args.busy_cores)]
         result_file = logs / "bench.json"
-        subprocess.run([*bench, "--seed", str(args.seed), "--result-file", str(result_file)],
-                       check=True, stdout=subprocess.DEVNULL, timeout=900)  # fmt: skip
+        try:
+            subprocess.run([*bench, "--seed", str(args.seed), "--result-file", str(result_file)],
+                           check=True, stdout=subprocess.DEVNULL, timeout=900)  # fmt: skip
+        finally:
+            for spinner in spinners:
+                spinner.kill()
         sampler.send_signal(2)  # SIGINT: py-spy writes what it has and exits
         sampler.wait(60)
         summary = summarize(raw_path.read_text())
@@ -125,6 +136,7 @@ def run(args: argparse.Namespace, spy: str) -> dict:
     summary["bench"] = {k: measured[k] for k in ("output_throughput", "median_ttft_ms",
                                                  "median_tpot_ms")}  # fmt: skip
     return {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "threads": 1,
+            "busy_cores": args.busy_cores,
             "workload": " ".join([*_WORKLOAD, "--request-rate", "inf"]), **summary}  # fmt: skip
 
 
@@ -135,6 +147,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=4242)
     parser.add_argument("--port", type=int, default=20400)
+    parser.add_argument("--busy-cores", type=int, default=0, help="spinning processes beside")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if not args.py_spy:
