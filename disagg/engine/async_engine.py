@@ -1,5 +1,5 @@
 """The asyncio face of an engine: one loop thread steps the engine; the HTTP side talks to it
-through a command queue (add/abort) and per-request asyncio queues (outputs).
+through a queue of typed commands (`_Add`, `_Abort`) and per-request asyncio queues (outputs).
 
 Each submission runs under its own engine id (caller's id + `#n`): a reused caller's id never
 reaches an old request's outputs. The loop thread never touches asyncio objects except through
@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from disagg.config import EngineConfig
@@ -42,6 +43,25 @@ _DEATH_EXIT_CODE = 70  # EX_SOFTWARE: the engine loop died; a supervisor should 
 _DEATH_FLUSH_S = 0.5  # time for the failed requests' answers to leave before the exit
 
 
+@dataclass(frozen=True, slots=True)
+class _Add:
+    """Submit a request under its engine id (stamped when the caller submitted it)."""
+
+    engine_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    params: KVTransferParams | None
+    submitted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    engine_id: str
+
+
+_Command = _Add | _Abort
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -60,7 +80,7 @@ class AsyncEngine:
         self.exit_process = os._exit  # no cleanup: the loop is dead, peers' leases cover us
         self.model_dir = str(model_dir)
         self.model_name = config.model_name
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # engine id -> open stream
         self._open: dict[str, str] = {}  # caller's id -> engine id of its open stream
@@ -127,7 +147,7 @@ class AsyncEngine:
         self._open[request_id] = self._engine_ids[request_id] = engine_id
         # Stamped here, not when the loop thread drains the command after its current step.
         submitted_s = time.monotonic()
-        self._send("add", (engine_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
+        self._send(_Add(engine_id, prompt_token_ids, sampling, kv_transfer_params, submitted_s))
         finished = False
         try:
             while not finished:
@@ -138,13 +158,13 @@ class AsyncEngine:
             self._queues.pop(engine_id, None)
             del self._open[request_id]
             if not finished:
-                self._send("abort", engine_id)  # the caller went away mid-request
+                self._send(_Abort(engine_id))  # the caller went away mid-request
 
     async def abort(self, request_id: str) -> None:
         """Abort the latest submission under the caller's id (an unknown id is a no-op)."""
         engine_id = self._open.get(request_id, self._engine_ids.get(request_id))
         if engine_id is not None:
-            self._send("abort", engine_id)
+            self._send(_Abort(engine_id))
 
     async def fence(self, request_id: str) -> bool:
         """Abort the id's submission if the engine may hold it (True); otherwise refuse any
@@ -257,8 +277,8 @@ class AsyncEngine:
                 f"the prompt has {num_prompt_tokens} tokens"
             )
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.put((kind, payload))
+    def _send(self, command: _Command) -> None:
+        self._commands.put(command)
         self._wakeup.set()
 
     # ------------------------------------------------------------------ loop thread
@@ -306,13 +326,13 @@ class AsyncEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
-                self._add(*payload)
+            if isinstance(command, _Add):
+                self._add(command)
             else:
-                self.engine.abort(payload)
+                self.engine.abort(command.engine_id)
         if outputs := self.engine.take_outputs():
             self._publish(outputs)  # an abort's final output: the stream ends now
         self._forget_released()
@@ -338,17 +358,14 @@ class AsyncEngine:
             if self._engine_ids.get(caller_id) == engine_id:  # not resubmitted since
                 del self._engine_ids[caller_id]
 
-    def _add(
-        self,
-        engine_id: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        params: Any,
-        submitted_s: float,
-    ) -> None:
+    def _add(self, command: _Add) -> None:
+        engine_id = command.engine_id
         self._held.add(engine_id)  # a refused one is forgotten at the next scan
         try:
-            self.engine.add_request(engine_id, prompt, sampling, params, arrival_s=submitted_s)
+            self.engine.add_request(
+                engine_id, command.prompt, command.sampling, command.params,
+                arrival_s=command.submitted_s,
+            )  # fmt: skip
         except ValueError as exc:
             error = RequestOutput(engine_id, [], finish_reason=FinishReason.ERROR, error=str(exc))
             self._publish([error])
