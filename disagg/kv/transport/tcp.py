@@ -232,12 +232,13 @@ class TcpTransport(Transport):
                 thread.start()
 
     def _refuse(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        sock.close()
+        # Counted and logged before the hang-up: whoever sees the hang-up sees the count.
         self._num_refused += 1
         if self._num_refused % _LOG_REFUSAL_EVERY == 1:
             logger.warning("%s: refused a KV connection from %s:%s: %d open, the most served "
                            "at once (%d refused so far)", self.name, addr[0], addr[1],
                            self.max_num_connections, self._num_refused)  # fmt: skip
+        sock.close()
 
     def _serve(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         try:
