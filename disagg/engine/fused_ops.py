@@ -25,7 +25,6 @@ class FusedOps:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self._add_rms_norm = lib.disagg_add_rms_norm
         self._silu_mul = lib.disagg_silu_mul
-        self.dtype = dtype
         self.is_bf16 = KERNEL_DTYPES[dtype]
 
     def add_rms_norm(

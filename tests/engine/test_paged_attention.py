@@ -16,30 +16,37 @@ NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE = 64, 3, 8
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
 
 
+def _gathered(kv, layer, blocks, num_keys):  # one sequence's first keys -> K, V [Hkv, n, D] fp32
+    hkv, d = kv.shape[3], kv.shape[5]
+    k, v = (kv[blocks, layer, i].float().transpose(0, 1).reshape(hkv, -1, d) for i in (0, 1))
+    return k[:, :num_keys], v[:, :num_keys]
+
+
 def _reference(q, kv, layer, table, lens):  # decode: q [B, Hq, D] -> [B, Hq, D], fp32
     hkv, d = kv.shape[3], kv.shape[5]
     outs = []
     for b, n in enumerate(lens.tolist()):
-        blocks = table[b, : -(-n // BLOCK_SIZE)]
-        k, v = (
-            kv[blocks, layer, i].float().transpose(0, 1).reshape(hkv, -1, d)[:, :n] for i in (0, 1)
-        )
+        k, v = _gathered(kv, layer, table[b, : -(-n // BLOCK_SIZE)], n)
         qg = q[b].float().view(hkv, -1, d)  # the query heads of each KV head
         outs.append(F.scaled_dot_product_attention(qg, k, v).reshape(-1, d))
     return torch.stack(outs)
 
 
 def _prefill_reference(q, kv, layer, blocks, start):  # q [n, Hq, D] -> [n, Hq, D], fp32
-    n, num_heads, d = q.shape
-    ctx, hkv = start + n, kv.shape[3]
-    k, v = (
-        kv[blocks, layer, i].float().transpose(0, 1).reshape(hkv, -1, d)[:, :ctx] for i in (0, 1)
-    )
-    groups = num_heads // hkv
+    n, num_heads, _ = q.shape
+    ctx = start + n
+    k, v = _gathered(kv, layer, blocks, ctx)
+    groups = num_heads // kv.shape[3]
     k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)  # [Hq, ctx, D]
     visible = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]  # [n, ctx]
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible)
     return out.transpose(0, 1)
+
+
+def _assert_matches(out: torch.Tensor, q: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tolerance = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,11 +72,8 @@ def test_kernel_matches_attention_over_gathered_blocks(
     kernel = make_paged_attention("native", kv, num_heads, num_kv_heads)
     assert kernel is not None
     for layer in range(NUM_LAYERS):
-        out = kernel.decode(layer, q, table, lens)
-        assert out.dtype == dtype and out.shape == q.shape
-        expected = _reference(q, kv, layer, table, lens)
-        torch.testing.assert_close(
-            out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+        _assert_matches(
+            kernel.decode(layer, q, table, lens), q, _reference(q, kv, layer, table, lens)
         )
 
 
@@ -98,12 +102,8 @@ def test_prefill_kernel_matches_causal_attention_over_gathered_blocks(
     kernel = make_paged_attention("native", kv, num_heads, num_kv_heads)
     assert kernel is not None
     for layer in range(NUM_LAYERS):
-        out = kernel.prefill(layer, q, blocks, start)
-        assert out.dtype == dtype and out.shape == q.shape
         expected = _prefill_reference(q, kv, layer, blocks, start)
-        torch.testing.assert_close(
-            out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
-        )
+        _assert_matches(kernel.prefill(layer, q, blocks, start), q, expected)
 
 
 def test_prefill_of_a_later_token_does_not_change_an_earlier_ones_output() -> None:

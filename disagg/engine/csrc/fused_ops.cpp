@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "paged_kv.h"
 

@@ -1,8 +1,8 @@
 // Decode attention straight over the paged KV cache: one query token per sequence, its keys
 // and values read in place from their blocks (no gather into a contiguous copy first).
 //
-// Built at first use by disagg/engine/paged_attention.py (g++ -O3 -march=native) and called
-// through ctypes with raw pointers: no torch headers, so the build takes a few seconds.
+// Built at first use by disagg/engine/cpu_kernels.py (g++ -O3 -march=native) and called
+// through ctypes with raw pointers (disagg/engine/paged_attention.py): no torch headers.
 //
 // Per (sequence, KV head) the G query heads that share it are scored together: each key row
 // is converted to fp32 once and used G times. Softmax and accumulation are in fp32.
@@ -18,6 +18,7 @@ namespace {
 
 using disagg::prefetch;
 using disagg::Shape;
+using disagg::Strides;
 using disagg::store;
 using disagg::to_float;
 
@@ -26,20 +27,17 @@ template <typename T, int G, int D>
 void one_kv_head(const T* __restrict__ q, const T* __restrict__ kv_layer, T* __restrict__ out,
                  const int64_t* __restrict__ table, int64_t n, const Shape& s, int64_t h,
                  float scale, float* __restrict__ scores) {
-  const int64_t head_stride = s.block_size * D;
-  const int64_t v_offset = s.num_kv_heads * head_stride;
-  const int64_t block_stride = s.num_layers * 2 * v_offset;
+  const Strides st(s, D);
   float qf[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qf[g][d] = to_float(q[g * D + d]) * scale;
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -FLT_MAX;
   for (int64_t t0 = 0; t0 < n; t0 += s.block_size) {
-    const T* keys = kv_layer + table[t0 / s.block_size] * block_stride + h * head_stride;
+    const T* keys = kv_layer + table[t0 / s.block_size] * st.block + h * st.head;
     const int64_t count = n - t0 < s.block_size ? n - t0 : s.block_size;
     if (t0 + s.block_size < n)  // blocks sit anywhere: the hardware cannot see the next coming
-      prefetch(kv_layer + table[t0 / s.block_size + 1] * block_stride + h * head_stride,
-               head_stride);
+      prefetch(kv_layer + table[t0 / s.block_size + 1] * st.block + h * st.head, st.head);
     for (int64_t j = 0; j < count; ++j) {
       float key[D];
       for (int d = 0; d < D; ++d) key[d] = to_float(keys[j * D + d]);
@@ -54,7 +52,7 @@ void one_kv_head(const T* __restrict__ q, const T* __restrict__ kv_layer, T* __r
   }
   // The first value block is fetched while the softmax runs (then, as for keys, each block
   // fetches the next): measured 1.5x on fp32 steps, where without it every pass starts cold.
-  prefetch(kv_layer + table[0] * block_stride + v_offset + h * head_stride, head_stride);
+  prefetch(kv_layer + table[0] * st.block + st.v + h * st.head, st.head);
   float inv_sum[G];
   for (int g = 0; g < G; ++g) {
     float* row = scores + g * n;
@@ -67,13 +65,10 @@ void one_kv_head(const T* __restrict__ q, const T* __restrict__ kv_layer, T* __r
   }
   float acc[G][D] = {};
   for (int64_t t0 = 0; t0 < n; t0 += s.block_size) {
-    const T* values =
-        kv_layer + table[t0 / s.block_size] * block_stride + v_offset + h * head_stride;
+    const T* values = kv_layer + table[t0 / s.block_size] * st.block + st.v + h * st.head;
     const int64_t count = n - t0 < s.block_size ? n - t0 : s.block_size;
     if (t0 + s.block_size < n)
-      prefetch(kv_layer + table[t0 / s.block_size + 1] * block_stride + v_offset +
-                   h * head_stride,
-               head_stride);
+      prefetch(kv_layer + table[t0 / s.block_size + 1] * st.block + st.v + h * st.head, st.head);
     for (int64_t j = 0; j < count; ++j) {
       float value[D];
       for (int d = 0; d < D; ++d) value[d] = to_float(values[j * D + d]);
@@ -91,7 +86,7 @@ void one_kv_head(const T* __restrict__ q, const T* __restrict__ kv_layer, T* __r
 template <typename T, int G, int D>
 void decode(const T* q, const T* kv, T* out, const int64_t* table, const int64_t* lens,
             int64_t num_seqs, const Shape& s, int64_t layer, float scale, int num_threads) {
-  const T* kv_layer = kv + layer * 2 * s.num_kv_heads * s.block_size * D;
+  const T* kv_layer = kv + layer * Strides(s, D).layer;
   const int64_t num_tasks = num_seqs * s.num_kv_heads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {

@@ -41,12 +41,13 @@ struct Shape {
   int64_t num_heads, num_kv_heads, num_layers, block_size, table_width;
 };
 
-// Strides, in elements, of one layer's view of the cache.
+// Strides, in elements, of the cache.
 struct Strides {
-  int64_t head, v, block;  // next KV head; k -> v of the same row; next block
+  int64_t head, v, layer, block;  // next KV head; k -> v of the same row; next layer; next block
   Strides(const Shape& s, int64_t head_dim)
       : head(s.block_size * head_dim),
         v(s.num_kv_heads * s.block_size * head_dim),
+        layer(2 * s.num_kv_heads * s.block_size * head_dim),
         block(s.num_layers * 2 * s.num_kv_heads * s.block_size * head_dim) {}
 };
 

@@ -6,7 +6,7 @@
 // (online softmax), so no [tokens x keys] score matrix is ever built. The keys and values of
 // a KV head are first converted once into fp32 panels (keys transposed, so a score tile is an
 // outer product the compiler vectorizes over 16 keys), then shared by all its query tiles.
-// Built beside the decode kernel (paged_decode.cpp); see disagg/engine/paged_attention.py.
+// Built with the other CPU kernels by disagg/engine/cpu_kernels.py; bound in paged_attention.py.
 
 #include <algorithm>
 #include <cmath>
@@ -160,7 +160,7 @@ float* scratch(std::vector<float>& buffer, size_t size) {
 template <typename T, int G, int D>
 void prefill(const T* q, const T* kv, T* out, const int64_t* table, int64_t n, int64_t start,
              const Shape& s, int64_t layer, float scale, int num_threads) {
-  const T* kv_layer = kv + layer * 2 * s.num_kv_heads * s.block_size * D;
+  const T* kv_layer = kv + layer * Strides(s, D).layer;
   const int64_t ctx = start + n;
   const int64_t padded = (ctx + KT - 1) / KT * KT;  // the last tile reads values past ctx,
                                                     // weighted zero
