@@ -53,9 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# soak.py's tiny checkpoint (a decode step is ~1 ms, so a stall of a few ms shows) and its
-# connection helper; benchmarks/ is on sys.path when this file runs as a script.
-from soak import _TINY, _connect
+# The tiny checkpoint soak.py serves too, and the soak's connection helper; benchmarks/ is on
+# sys.path when this file runs as a script.
+from child_procs import TINY_MODEL_ARGS
+from soak_http import connect
 
 from disagg.bench.host import cpu_info
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
@@ -151,7 +152,7 @@ def _request(
 ) -> tuple[int, bytes, float]:
     """(status, body, seconds to the whole answer); status 0 when the connection failed."""
     started = time.monotonic()
-    conn = _connect(url, TIMEOUT_S)
+    conn = connect(url, TIMEOUT_S)
     try:
         conn.request(method, path, body=data, headers={**_JSON, **(headers or {})})
         resp = conn.getresponse()
@@ -204,7 +205,7 @@ class Victim:
             self.num_streams += 1
 
     def _stream(self, index: int) -> None:
-        conn = _connect(self.url, TIMEOUT_S)
+        conn = connect(self.url, TIMEOUT_S)
         try:
             conn.request("POST", "/v1/completions", self.data, _JSON)
             resp = conn.getresponse()
@@ -536,14 +537,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="abuse-bench-model-") as tmp:
         model_dir = Path(args.model) if args.model else Path(tmp) / "model"
         if not args.model:
-            cmd = [sys.executable, "-m", "disagg.cli", "make-model", *_TINY, "--out"]
+            cmd = [sys.executable, "-m", "disagg.cli", "make-model", *TINY_MODEL_ARGS, "--out"]
             subprocess.run([*cmd, str(model_dir)], check=True, stdout=subprocess.DEVNULL)
         _say(f"model {args.model or 'tiny qwen3'}, logs in {log_dir}")
         modes = {mode: run_mode(mode, model_dir, args, log_dir, token, attacks)
                  for mode in args.modes.split(",")}  # fmt: skip
         limited = run_limited(model_dir, log_dir)
     cpu["loadavg_1m_end"] = os.getloadavg()[0]
-    config = {"model": args.model or "tiny qwen3 (" + " ".join(_TINY) + ")",
+    config = {"model": args.model or "tiny qwen3 (" + " ".join(TINY_MODEL_ARGS) + ")",
               "modes": args.modes.split(","), "repeats": args.repeats, "quiet_s": args.quiet_s,
               "tail_s": TAIL_S, "victim_max_tokens": args.victim_max_tokens,
               "health_every_s": HEALTH_EVERY_S, "serve_args": list(_SERVE_ARGS),
