@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 HOST = "127.0.0.1"  # every child listens on loopback only
+START_TIMEOUT_S = 300.0  # up to eight cold starts (soak.py) import torch at once on two cores
 # A tiny random-weight Qwen3: a decode step is ~1 ms, so a stall of a few ms shows.
 TINY_MODEL_ARGS = ["--arch", "qwen3", "--layers", "2", "--hidden", "64", "--heads", "4",
                    "--kv-heads", "2", "--intermediate", "128", "--vocab", "2048",
@@ -42,6 +43,14 @@ def proc_status(pid: int) -> dict[str, str]:
     """/proc/<pid>/status as {field: raw value} ("VmRSS": "  1234 kB")."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return dict(line.split(":", 1) for line in lines)
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS, VmHWM (peak RSS) and VmPeak (peak address space) of a process, in MiB."""
+    fields = proc_status(pid)
+    return {
+        key: round(int(fields[key].split()[0]) / 1024, 1) for key in ("VmRSS", "VmHWM", "VmPeak")
+    }
 
 
 def reap(popen: subprocess.Popen[bytes]) -> None:

@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from child_procs import HOST, die_with_parent, proc_status, ready_url, reap
+from child_procs import HOST, START_TIMEOUT_S, die_with_parent, proc_status, ready_url, reap
 from soak_http import request
 
-START_TIMEOUT_S = 300.0  # eight cold starts import torch at once on two cores
 ROUTER_MAX_BYTES = 256 * 1024  # the routers' body limit; "huge body" goes past it
 API_KEY = "soak-" + secrets.token_urlsafe(16)  # router-push's, from $DISAGG_API_KEY
 RECOMPUTE, FAULT = ("--failure-policy", "recompute"), ("--kv-fault", "fail_transfer")

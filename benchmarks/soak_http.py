@@ -1,5 +1,6 @@
 """The soak's HTTP client calls, on plain http.client: one request, one streamed completion,
-a hang-up, and reading an OpenAI-shaped error. abuse_bench.py connects through `connect` too.
+a hang-up, and reading an OpenAI-shaped error. abuse_clients.py connects through `connect`
+too.
 
 Knows nothing of the soak's counters or checks: callers judge what comes back.
 """
