@@ -60,7 +60,8 @@ from soak import _TINY, _connect
 from disagg.bench.host import cpu_info
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.launcher import Cluster, ClusterConfig
-from disagg.router.call import kv_params, prefill_body
+from disagg.protocol import KVTransferParams
+from disagg.router.call import prefill_body
 from disagg.security import auth
 
 HOST = "127.0.0.1"
@@ -329,7 +330,9 @@ def replay_prefill_leg(target: Target) -> dict[str, Any]:
     /kv/release (as the router sends when no decode will read) frees the lease after."""
     request_id = f"abuse-leg-{secrets.token_hex(6)}"
     client = {"prompt": VICTIM_PROMPT * 4, "max_tokens": 8, "temperature": 0}
-    data = json.dumps(prefill_body(client, kv_params(do_remote_decode=True, connector="pull")))
+    data = json.dumps(
+        prefill_body(client, KVTransferParams(do_remote_decode=True, connector="pull"))
+    )
     data_b, p = data.encode(), target.prefill_url
     headers = _signed(target, p, "/v1/completions", data_b, request_id)
     first, _, _ = _request(p, "POST", "/v1/completions", data_b, headers)

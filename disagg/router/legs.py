@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from disagg.config import RouterConfig
-from disagg.protocol import KV_RELEASE_PATH
+from disagg.protocol import KV_RELEASE_PATH, KVTransferParams
 from disagg.router.call import Call, prefill_body
 from disagg.router.instances import Instance, InstancePool, KVInfo, PoolName
 from disagg.router.metrics import RouterMetrics
@@ -133,7 +133,7 @@ class Legs:
             raise RouteError.of(502, f"{inst.url} has no KV address for push", leg=leg)
         return info
 
-    async def prefill(self, inst: Instance, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, inst: Instance, call: Call, params: KVTransferParams) -> dict[str, Any]:
         """The P leg, to its JSON answer. Raises RouteError(leg="prefill") on any failure."""
         started_s = time.monotonic()
         resp = await self.send(inst, call, prefill_body(call.body, params), "prefill")

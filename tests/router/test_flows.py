@@ -159,6 +159,27 @@ def test_pull_prefill_connection_dropped_is_502() -> None:
     run_async(main())
 
 
+def test_pull_prefill_answer_with_invalid_kv_params_is_502_and_its_lease_released() -> None:
+    """P's kv_transfer_params are checked at the router (KVTransferParams.from_dict): a bad
+    one never reaches a decode instance, and P's lease is released as for none at all."""
+
+    async def bad_params(fake: FakeInstance, request: web.Request, body: dict) -> Any:
+        params = {"do_remote_prefill": True, "remote_block_ids": [-1]}
+        return web.json_response(completion("p", "A", kv_transfer_params=params))
+
+    async def main() -> None:
+        p, d = FakeInstance("prefill", handler=bad_params), FakeInstance("decode")
+        async with routed(p, d, mode="pull") as url:
+            status, answer = await post(url, PROMPT)
+            await wait_until(lambda: p.releases)
+        assert status == 502 and "invalid kv_transfer_params" in answer["error"]["message"]
+        assert d.received == []
+        rid = p.received[0].request_id
+        assert (p.aborts, p.releases) == ([rid], [rid])
+
+    run_async(main())
+
+
 def test_pull_least_loaded_picks_decode_from_load_read_after_prefill() -> None:
     async def main() -> None:
         d1 = FakeInstance("decode", load={"num_running": 0})
