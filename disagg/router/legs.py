@@ -23,7 +23,7 @@ from disagg.router.call import Call, prefill_body
 from disagg.router.instances import Instance, InstancePool, KVInfo, PoolName
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
-from disagg.router.relay import BreakdownSource, Leg, Relayed, RouteError, read_all, relay
+from disagg.router.relay import BreakdownSource, Leg, Relay, Relayed, RouteError, read_all
 from disagg.router.retry import RetryBudget
 from disagg.security import auth
 from disagg.security.tls import client_context
@@ -183,9 +183,9 @@ class Legs:
             self.metrics.first_byte_seconds.labels(self.cfg.mode).observe(elapsed_s)
 
         try:
-            return await relay(
+            return await Relay(
                 call.request, resp, leg, call.request_id, prefill_breakdown, on_first_byte
-            )
+            ).run()
         finally:
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - sent_s)
 
