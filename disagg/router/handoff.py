@@ -53,9 +53,8 @@ class Release(enum.Enum):
 class Cleanup:
     """What ending a handoff undoes, in this order."""
 
-    cut: tuple[
-        PoolName, ...
-    ] = ()  # legs whose task is cancelled (dropping D's connection aborts it)
+    # Legs whose task is cancelled (before D's headers, dropping the connection aborts it on D).
+    cut: tuple[PoolName, ...] = ()
     abort: tuple[PoolName, ...] = ()  # instances sent POST /v1/abort for the request
     release: Release = Release.NONE  # P's lease
 
