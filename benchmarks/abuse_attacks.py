@@ -17,7 +17,8 @@ from typing import Any
 
 from abuse_clients import VICTIM_PROMPT, error_message, request
 
-from disagg.router.call import kv_params, prefill_body
+from disagg.protocol import KVTransferParams
+from disagg.router.call import prefill_body
 from disagg.security import auth
 
 BIG_PROMPT_CHARS = 15_000_000
@@ -105,7 +106,8 @@ def replay_prefill_leg(target: Target) -> dict[str, Any]:
     /kv/release (as the router sends when no decode will read) frees the lease after."""
     request_id = f"abuse-leg-{secrets.token_hex(6)}"
     client = {"prompt": VICTIM_PROMPT * 4, "max_tokens": 8, "temperature": 0}
-    data = json.dumps(prefill_body(client, kv_params(do_remote_decode=True, connector="pull")))
+    leg = KVTransferParams(do_remote_decode=True, connector="pull")
+    data = json.dumps(prefill_body(client, leg))
     data_b, p = data.encode(), target.prefill_url
     headers = _signed(target, p, "/v1/completions", data_b, request_id)
     first, _, _ = request(p, "POST", "/v1/completions", data_b, headers)

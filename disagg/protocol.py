@@ -206,6 +206,10 @@ class KVTransferParams:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
+    def to_sparse_dict(self) -> dict[str, Any]:
+        """Only the fields set (None and False left out): the form the router's legs carry."""
+        return {k: v for k, v in self.to_dict().items() if v is not False}
+
 
 _ID_FIELDS = ("remote_engine_id", "remote_host", "remote_request_id", "transfer_id")
 

@@ -28,7 +28,6 @@ from disagg.server.openai_api import (
 __all__ = [
     "Call",
     "checked_body",
-    "kv_params",
     "make_body_parser",
     "parse_call",
     "prefill_body",
@@ -47,8 +46,9 @@ class Call:
     upstream_headers: dict[str, str]
     started_s: float = field(default_factory=time.monotonic)
 
-    def body_with(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {**self.body, "kv_transfer_params": params}
+    def body_with(self, params: KVTransferParams) -> dict[str, Any]:
+        """The client's body carrying `params` (the form a decode leg is sent)."""
+        return {**self.body, "kv_transfer_params": params.to_sparse_dict()}
 
     def retry(self, request_id: str) -> Call:
         """The same client request under a new id (the legs of the first try may still hold
@@ -57,24 +57,19 @@ class Call:
         return Call(self.request, self.path, self.body, request_id, headers, self.started_s)
 
 
-def kv_params(**values: Any) -> dict[str, Any]:
-    """`kv_transfer_params` for a leg, named as KVTransferParams names them; unset flags omitted."""
-    return {k: v for k, v in KVTransferParams(**values).to_dict().items() if v is not False}
-
-
 def push_params(
     transfer_id: str, engine_id: str, kv_host: str, kv_port: int, decode_engine_id: str | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[KVTransferParams, KVTransferParams]:
     """(P's, D's) `kv_transfer_params` for one push handoff: both keyed by `transfer_id`; D is
     told which prefill instance (engine id and KV side channel) will write into its blocks,
     and P which decode instance alone may register blocks for it."""
-    p_params = kv_params(
+    p_params = KVTransferParams(
         do_remote_decode=True,
         connector="push",
         transfer_id=transfer_id,
         remote_engine_id=decode_engine_id,
     )
-    d_params = kv_params(
+    d_params = KVTransferParams(
         do_remote_prefill=True,
         connector="push",
         transfer_id=transfer_id,
@@ -85,11 +80,11 @@ def push_params(
     return p_params, d_params
 
 
-def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: KVTransferParams) -> dict[str, Any]:
     """The P leg: the same request cut to one token, not streamed, keeping its KV for D."""
     dropped = ("max_completion_tokens", "min_tokens", "stream_options")
     out = {k: v for k, v in body.items() if k not in dropped}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params.to_sparse_dict())
     return out
 
 

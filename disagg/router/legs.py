@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 import aiohttp
 
 from disagg.config import RouterConfig
-from disagg.protocol import KV_RELEASE_PATH
+from disagg.protocol import KV_RELEASE_PATH, KVTransferParams
 from disagg.router.call import Call, prefill_body
 from disagg.router.instances import Instance, InstancePool, KVInfo, PoolName
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
-from disagg.router.relay import BreakdownSource, Leg, Relayed, RouteError, read_all, relay
+from disagg.router.relay import BreakdownSource, Leg, Relay, Relayed, RouteError, read_all
 from disagg.router.retry import RetryBudget
 from disagg.security import auth
 from disagg.security.tls import client_context
@@ -133,7 +133,7 @@ class Legs:
             raise RouteError.of(502, f"{inst.url} has no KV address for push", leg=leg)
         return info
 
-    async def prefill(self, inst: Instance, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, inst: Instance, call: Call, params: KVTransferParams) -> dict[str, Any]:
         """The P leg, to its JSON answer. Raises RouteError(leg="prefill") on any failure."""
         started_s = time.monotonic()
         resp = await self.send(inst, call, prefill_body(call.body, params), "prefill")
@@ -183,9 +183,9 @@ class Legs:
             self.metrics.first_byte_seconds.labels(self.cfg.mode).observe(elapsed_s)
 
         try:
-            return await relay(
+            return await Relay(
                 call.request, resp, leg, call.request_id, prefill_breakdown, on_first_byte
-            )
+            ).run()
         finally:
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - sent_s)
 

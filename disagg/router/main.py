@@ -32,51 +32,19 @@ __all__ = ["add_arguments", "build_config", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = {name: default for name, (default, _) in field_help(RouterConfig).items()}
-    parser.add_argument(
-        "--prefill",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="URL",
-        help="prefill instance base URL(s); or let instances register (disagg serve --router)",
-    )
-    parser.add_argument(
-        "--decode",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="URL",
-        help="decode instance base URL(s); in aggregated mode they serve whole requests",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=get_args(RouterMode),
-        default=defaults["mode"],
-        help="pull / push: prefill on --prefill, decode on --decode; aggregated: whole "
-        "requests on --decode",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=get_args(PolicyName),
-        default=defaults["policy"],
-        help="how an instance is chosen for each request",
-    )
+    for pool, text in _POOL_FLAGS:
+        parser.add_argument(
+            f"--{pool}", nargs="+", action="extend", default=[], metavar="URL", help=text
+        )
+    for name, choices, text in _CHOICE_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, choices=get_args(choices), default=defaults[name], help=text)
     parser.add_argument("--host", default=defaults["host"], help="address to listen on")
     parser.add_argument("--port", type=int, default=defaults["port"], help="0 = any free port")
     parser.add_argument(
         "--advertise-url", default="", metavar="URL",
         help="the URL instances reach the router at, when not --host:--port (a Service, a "
         "proxy): their signed calls must be for it",
-    )  # fmt: skip
-    parser.add_argument(
-        "--load-poll-interval-s",
-        type=float,
-        default=defaults["load_poll_interval_s"],
-        help="seconds between polls of each instance's health and load",
-    )
-    parser.add_argument(
-        "--request-timeout-s", type=float, default=defaults["request_timeout_s"],
-        help="a request not finished by then is aborted (HTTP 504)",
     )  # fmt: skip
     parser.add_argument(
         "--api-key",
@@ -93,34 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help=f"the cluster's shared secret (default: ${CLUSTER_TOKEN_ENV}); needed by pull/push",
     )
-    parser.add_argument(
-        "--failure-policy",
-        choices=get_args(FailurePolicy),
-        default=defaults["failure_policy"],
-        help="recompute: a request whose prefill instance fails is prefilled on a decode instance",
-    )
-    parser.add_argument(
-        "--max-request-bytes", type=int, default=defaults["max_request_bytes"],
-        help="larger request bodies get HTTP 413",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-prompt-chars", type=int, default=defaults["max_prompt_chars"],
-        help="longer text or chat prompts get HTTP 400 before any leg is sent "
-        "(default: an instance's bound at a 128k-token context; 0 = leave it to the instances)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--heartbeat-timeout-s", type=float, default=defaults["heartbeat_timeout_s"],
-        help="drop an instance that registered itself (disagg serve --router) after this long "
-        "without a heartbeat",
-    )  # fmt: skip
-    parser.add_argument(
-        "--header-timeout-s", type=float, default=defaults["header_timeout_s"],
-        help="seconds a connection gets to send a request's headers before it is closed",
-    )  # fmt: skip
-    parser.add_argument(
-        "--body-timeout-s", type=float, default=defaults["body_timeout_s"],
-        help="seconds a request gets to send its whole body; later ones get HTTP 408",
-    )  # fmt: skip
+    _add_value_arguments(parser, defaults, _LIMIT_FLAGS)
     parser.add_argument(
         "--internal-tls-cert", default="", metavar="PEM",
         help="serve HTTPS with this certificate (with --internal-tls-key): keeps prompts "
@@ -132,14 +73,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--internal-tls-ca", default="", metavar="PEM",
         help="CA the instances' certificates chain to, for https:// instance URLs",
     )  # fmt: skip
-    _add_resilience_arguments(parser, defaults)
+    _add_value_arguments(parser, defaults, _RESILIENCE_FLAGS, " (default: %(default)s)")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"], help="log verbosity"
     )
 
 
-# Retries, circuit breakers and admission: RouterConfig's fields of the same names.
-_RESILIENCE_FLAGS: tuple[tuple[str, type, str], ...] = (
+# The instance URLs of each pool given on the command line: (pool, help).
+_POOL_FLAGS = (
+    ("prefill", "prefill instance base URL(s); or let instances register (disagg serve --router)"),
+    ("decode", "decode instance base URL(s); in aggregated mode they serve whole requests"),
+)
+
+# Flags that choose one of RouterConfig's literals: (field, its Literal type, help).
+_CHOICE_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("mode", RouterMode, "pull / push: prefill on --prefill, decode on --decode; aggregated: "
+     "whole requests on --decode"),
+    ("policy", PolicyName, "how an instance is chosen for each request"),
+    ("failure_policy", FailurePolicy, "recompute: a request whose prefill instance fails is "
+     "prefilled on a decode instance"),
+)  # fmt: skip
+
+# Flags that set RouterConfig's field of the same name: (field, type, help).
+_Flags = tuple[tuple[str, type, str], ...]
+
+# Polling, timeouts and size bounds.
+_LIMIT_FLAGS: _Flags = (
+    ("load_poll_interval_s", float, "seconds between polls of each instance's health and load"),
+    ("request_timeout_s", float, "a request not finished by then is aborted (HTTP 504)"),
+    ("max_request_bytes", int, "larger request bodies get HTTP 413"),
+    ("max_prompt_chars", int, "longer text or chat prompts get HTTP 400 before any leg is sent "
+     "(default: an instance's bound at a 128k-token context; 0 = leave it to the instances)"),
+    ("heartbeat_timeout_s", float, "drop an instance that registered itself (disagg serve "
+     "--router) after this long without a heartbeat"),
+    ("header_timeout_s", float, "seconds a connection gets to send a request's headers before "
+     "it is closed"),
+    ("body_timeout_s", float, "seconds a request gets to send its whole body; later ones get "
+     "HTTP 408"),
+)  # fmt: skip
+
+# Retries, circuit breakers and admission.
+_RESILIENCE_FLAGS: _Flags = (
     ("max_retries", int, "resend a leg that never reached its instance (connection refused) "
      "to another one at most this many times per request, never once the client got a byte; "
      "0 = off"),
@@ -156,16 +130,16 @@ _RESILIENCE_FLAGS: tuple[tuple[str, type, str], ...] = (
 )  # fmt: skip
 
 
-def _add_resilience_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    for name, kind, text in _RESILIENCE_FLAGS:
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=kind, default=defaults[name],
-            help=f"{text} (default: %(default)s)",
-        )  # fmt: skip
+def _add_value_arguments(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any], flags: _Flags, suffix: str = ""
+) -> None:
+    for name, kind, text in flags:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=defaults[name], help=text + suffix)
 
 
-def _resilience_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name, _, _ in _RESILIENCE_FLAGS}
+def _values(args: argparse.Namespace, flags: _Flags) -> dict[str, Any]:
+    return {name: getattr(args, name) for name, _, _ in flags}
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
@@ -178,20 +152,14 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         host=args.host,
         port=args.port,
         advertise_url=args.advertise_url,
-        load_poll_interval_s=args.load_poll_interval_s,
-        request_timeout_s=args.request_timeout_s,
         api_key=resolve_api_key(args.api_key, args.api_key_file),
         cluster_token=args.cluster_token or env_cluster_token(),
         failure_policy=args.failure_policy,
-        max_request_bytes=args.max_request_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        header_timeout_s=args.header_timeout_s,
-        body_timeout_s=args.body_timeout_s,
         tls_cert_file=args.internal_tls_cert,
         tls_key_file=args.internal_tls_key,
         tls_ca_file=args.internal_tls_ca,
-        **_resilience_config(args),
+        **_values(args, _LIMIT_FLAGS),
+        **_values(args, _RESILIENCE_FLAGS),
     )
 
 

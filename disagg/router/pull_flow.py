@@ -1,20 +1,22 @@
 """The pull flow: P's leg first, then D's, to a decode instance chosen once P is done.
 
-Owns the handoff between the legs (P's lease on the prompt's blocks) and ending it: P is
-aborted, and its lease released when no decode instance can read it. Must not send a leg
-itself (legs.py) nor choose a flow (flows.py).
+Owns moving a pull handoff through its stages (PREFILLING -> LEASED <-> SENT -> DONE) and ending
+it once, whatever ends the request; what ending it at each stage undoes is handoff.py's table.
+Must not send a leg itself (legs.py) nor choose a flow (flows.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
-from disagg.router.call import Call, kv_params
+from disagg.protocol import KVTransferParams
+from disagg.router.call import Call
+from disagg.router.handoff import Handoff, Stage
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool
 from disagg.router.legs import Legs
 from disagg.router.policy import NoHealthyInstanceError
@@ -25,12 +27,12 @@ __all__ = ["PullFlow"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Handoff:
-    """Pull: P's answer on its way to a decode instance."""
+class _Prefilled:
+    """Pull: P's answer, on its way to a decode instance."""
 
-    prefill: Instance  # holds the prompt's blocks under a lease
-    lease_id: str  # P's name for the lease (remote_request_id), what /kv/release takes
-    body: dict[str, Any]  # D's leg: the client's body with P's kv_transfer_params
+    handoff: Handoff  # LEASED: P holds the prompt's blocks under a lease
+    d_params: KVTransferParams  # D's leg: P's kv_transfer_params, for the pull connector
+    breakdown: dict[str, Any] | None  # P's part of the TTFT breakdown
 
 
 class PullFlow:
@@ -41,103 +43,92 @@ class PullFlow:
         self.pool = pool
 
     async def run(self, call: Call, retries: RetryBudget) -> Relayed:
-        """P's lease on the prompt's blocks is released (with an abort) as soon as no decode
-        instance can read it: while D's leg is not out yet (client gone, P failed), and when D
-        never got the leg or refused it (4xx). Once D may be reading, P is only aborted: D's
-        read_done, D's own release or the lease's end frees the blocks."""
+        """P's leg, then D's; the handoff is ended at the stage the request stops at (P's
+        lease released at once while no decode instance can read it, after D's fence once
+        D may have the leg; nothing undone once the client has its answer)."""
         if not self.pool.has_healthy("decode"):
             # Prefilling now would hold P's blocks for a handoff nobody can take.
             raise NoHealthyInstanceError("no healthy decode instance")
-        prefill, answer = await self.legs.retrying(
+        _, prefilled = await self.legs.retrying(
             call, "prefill", retries, lambda inst: self._prefill(inst, call)
         )
-        d_params = answer["kv_transfer_params"]
-        handoff = _Handoff(
-            prefill=prefill,
-            lease_id=str(d_params.get("remote_request_id") or call.request_id),
-            body=call.body_with({**d_params, "connector": "pull"}),
-        )
-        started_s = time.monotonic()
-        decode, resp = await self._send_handoff(call, handoff, retries)
-        p_breakdown = _constant(breakdown_of(answer))
         try:
-            relayed = await self.legs.respond(call, resp, "decode", started_s, p_breakdown)
-        except RouteError as exc:  # D answered 4xx: only for a request its engine never took
-            self._end_handoff(call, handoff, is_unread=400 <= exc.status < 500, decode=decode)
-            raise
-        except asyncio.CancelledError:
-            self._end_handoff(call, handoff, is_unread=False, decode=decode)
-            raise
-        if relayed.status >= 400:  # the client left, or D failed mid-stream
-            self._end_handoff(call, handoff, is_unread=False, decode=decode)
-        return relayed
+            relayed = await self._decode(call, prefilled, retries)
+            if relayed.status < 400:  # else the client left, or D failed mid-stream
+                prefilled.handoff.advance(Stage.DONE)
+            return relayed
+        finally:
+            prefilled.handoff.end(self.legs)
 
-    async def _prefill(self, inst: Instance, call: Call) -> dict[str, Any]:
-        """Pull's P leg, to an answer carrying the kv_transfer_params D needs. Ending without
-        them in hand (client gone, P failed or sent none), P may still have finished and leased
-        blocks nobody will read: it is aborted, and released under the id we sent it (which P
-        resolves to its own)."""
-        params = kv_params(do_remote_decode=True, connector="pull")
+    async def _prefill(self, inst: Instance, call: Call) -> _Prefilled:
+        """Pull's P leg, to an answer carrying valid kv_transfer_params for D. Ending without
+        them in hand, the handoff ends PREFILLING (P may have leased blocks nobody will read)
+        unless P never took the leg."""
+        handoff = Handoff(call.request_id, inst, Stage.PREFILLING, lease_id=call.request_id)
+        params = KVTransferParams(do_remote_decode=True, connector="pull")
         try:
             answer = await self.legs.prefill(inst, call, params)
-            d_params = answer.get("kv_transfer_params")
-            if not isinstance(d_params, dict) or not d_params:
-                # Without them D would silently prefill again: fail loudly instead.
-                raise RouteError.of(502, "prefill answer has no kv_transfer_params", leg="prefill")
-        except (RouteError, asyncio.CancelledError) as exc:
-            is_refused = isinstance(exc, RouteError) and (exc.unsent or 400 <= exc.status < 500)
-            if not is_refused:  # unsent, or refused with a 4xx: P took nothing
-                self.legs.abort(inst, call.request_id)
-                self.legs.release(inst, call.request_id)
+            p_params = _kv_params_of(answer)
+        except BaseException as exc:
+            if isinstance(exc, RouteError) and (exc.unsent or 400 <= exc.status < 500):
+                handoff.advance(Stage.REFUSED)
+            handoff.end(self.legs)
             raise
-        return answer
+        handoff.lease_id = p_params.remote_request_id or call.request_id
+        handoff.advance(Stage.LEASED)
+        return _Prefilled(handoff, replace(p_params, connector="pull"), breakdown_of(answer))
 
-    async def _send_handoff(
-        self, call: Call, handoff: _Handoff, retries: RetryBudget
-    ) -> tuple[Instance, aiohttp.ClientResponse]:
-        """The decode instance and its leg's response headers; a leg that never reached its
-        instance goes to another pick while the budget lasts. Ending here, P's lease is
-        released at once unless D may have the leg (then once D says it never took it)."""
+    async def _decode(self, call: Call, prefilled: _Prefilled, retries: RetryBudget) -> Relayed:
+        """D's leg, relayed to the client; a 4xx from D (only for a request its engine never
+        took) leaves P's lease unread."""
+        started_s = time.monotonic()
+        resp = await self._send_decode(call, prefilled, retries)
+        p_breakdown = _constant(prefilled.breakdown)
+        try:
+            return await self.legs.respond(call, resp, "decode", started_s, p_breakdown)
+        except RouteError as exc:
+            if 400 <= exc.status < 500:
+                prefilled.handoff.advance(Stage.LEASED)
+            raise
+
+    async def _send_decode(
+        self, call: Call, prefilled: _Prefilled, retries: RetryBudget
+    ) -> aiohttp.ClientResponse:
+        """D's leg to a decode instance picked now, to its response headers; a leg that never
+        reached its instance goes to another pick while the budget lasts."""
+        handoff, body = prefilled.handoff, call.body_with(prefilled.d_params)
         wait_s = 0.0
         while True:
-            decode = await self._bind_decode(call, handoff, wait_s)
+            handoff.decode = await self._bind_decode(wait_s)
+            handoff.advance(Stage.SENT)
             try:
-                return decode, await self.legs.send(decode, call, handoff.body, "decode")
+                return await self.legs.send(handoff.decode, call, body, "decode")
             except RouteError as exc:
+                if exc.unsent:  # D never saw it
+                    handoff.advance(Stage.LEASED)
                 wait_s = self.legs.retry_wait(call, exc, retries)
                 if wait_s is None:
-                    self._end_handoff(call, handoff, is_unread=exc.unsent, decode=decode)
                     raise
-            except asyncio.CancelledError:
-                self._end_handoff(call, handoff, is_unread=False, decode=decode)  # D may have it
-                raise
 
-    async def _bind_decode(self, call: Call, handoff: _Handoff, wait_s: float) -> Instance:
-        """After `wait_s` (a retry's backoff), D picked from load read now. Nothing has
-        reached a decode instance yet, so whatever ends the request here (client gone, no
-        healthy instance) releases P's lease."""
-        try:
-            await asyncio.sleep(wait_s)
-            if self.pool.uses_load:
-                await self.pool.refresh_load(self.pool.decode, LATE_BINDING_TIMEOUT_S)
-            return self.pool.pick("decode")
-        except BaseException:
-            self._end_handoff(call, handoff, is_unread=True)
-            raise
+    async def _bind_decode(self, wait_s: float) -> Instance:
+        """After `wait_s` (a retry's backoff), D picked from load read now."""
+        await asyncio.sleep(wait_s)
+        if self.pool.uses_load:
+            await self.pool.refresh_load(self.pool.decode, LATE_BINDING_TIMEOUT_S)
+        return self.pool.pick("decode")
 
-    def _end_handoff(
-        self, call: Call, handoff: _Handoff, *, is_unread: bool, decode: Instance | None = None
-    ) -> None:
-        """Abort P's request (its blocks go before the lease would let them), and when no
-        decode instance read P's answer, release the lease too: an abort alone keeps it,
-        since reads are one-sided. When `decode` may have P's answer, it is asked to abort
-        with a fence, and the lease is released once it says it never took the request (a
-        leg cut mid-send, or a handler cancelled before submitting, tells P nothing)."""
-        self.legs.abort(handoff.prefill, call.request_id)
-        if is_unread:
-            self.legs.release(handoff.prefill, handoff.lease_id)
-        elif decode is not None:
-            self.legs.fence_then_release(decode, call.request_id, handoff.prefill, handoff.lease_id)
+
+def _kv_params_of(answer: dict[str, Any]) -> KVTransferParams:
+    """P's kv_transfer_params, checked. Without them D would silently prefill again: fail
+    loudly instead."""
+    raw = answer.get("kv_transfer_params")
+    if not isinstance(raw, dict) or not raw:
+        raise RouteError.of(502, "prefill answer has no kv_transfer_params", leg="prefill")
+    try:
+        return KVTransferParams.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        message = f"prefill answer has invalid kv_transfer_params: {exc}"
+        raise RouteError.of(502, message, leg="prefill") from exc
 
 
 def _constant(value: dict[str, Any] | None) -> BreakdownSource:

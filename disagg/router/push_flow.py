@@ -1,8 +1,9 @@
 """The push flow: P and D chosen together and sent their legs at once, P writing into D's blocks.
 
 Owns forming a pair (a fresh transfer id naming both), relaying D's stream while P's answer is
-still on its way, and ending the pair so that neither leg outlives the request. Must not send
-a leg itself (legs.py) nor choose a flow (flows.py).
+still on its way, and ending the pair's handoff (PAIRED -> DONE | PREFILL_FAILED |
+DECODE_FAILED) so that neither leg outlives the request; handoff.py's table says what ending
+it at each stage undoes. Must not send a leg itself (legs.py) nor choose a flow (flows.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import aiohttp
 
 from disagg.router.call import Call, push_params
-from disagg.router.instances import Instance, InstancePool
+from disagg.router.handoff import Handoff, Stage
+from disagg.router.instances import InstancePool, PoolName
 from disagg.router.legs import Legs, consume
 from disagg.router.relay import Relayed, RouteError, breakdown_of
 from disagg.router.retry import RetryBudget
@@ -30,11 +32,16 @@ PREFILL_ANSWER_GRACE_S = 2.0  # push: D is done; how long its final chunk waits 
 class _Pair:
     """Push: both legs of one attempt, in flight."""
 
-    prefill: Instance
-    decode: Instance
-    p_task: asyncio.Task[dict[str, Any]]  # P's leg, to its JSON answer
-    d_task: asyncio.Task[aiohttp.ClientResponse]  # D's leg, to its response headers
+    handoff: Handoff  # PAIRED, holding each leg's task
     sent_s: float  # monotonic, when both legs went out: D's leg is timed from it
+
+    @property
+    def p_task(self) -> asyncio.Task[dict[str, Any]]:  # P's leg, to its JSON answer
+        return self.handoff.in_flight["prefill"]
+
+    @property
+    def d_task(self) -> asyncio.Task[aiohttp.ClientResponse]:  # D's leg, to its headers
+        return self.handoff.in_flight["decode"]
 
 
 class PushFlow:
@@ -60,19 +67,20 @@ class PushFlow:
             attempt = call.retry(f"{call.request_id}-retry{retries.num_retries}")
 
     async def _run_pair(self, call: Call) -> Relayed:
-        """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes."""
+        """Both legs at once, keyed by a fresh transfer id; D's stream is relayed as it comes.
+        The pair's handoff is ended at the stage the request stops at (handoff.py)."""
         pair = await self._send_pair(call)
         try:
             d_resp = await _first_response(pair.d_task, pair.p_task)
             relayed = await self._relay(call, pair, d_resp)
-        except RouteError as exc:
-            self._end_pair(call, pair, exc, is_ok=False)
+        except BaseException as exc:  # a leg failed; or cancelled: the client left, or stopping
+            pair.handoff.advance(_failed(exc if isinstance(exc, RouteError) else None))
             raise
-        except BaseException:  # cancelled: the client left or the router is stopping
-            self._end_pair(call, pair, None, is_ok=False)
-            raise
-        is_ok = relayed.status < 400
-        self._end_pair(call, pair, None if is_ok else relayed.error, is_ok=is_ok)
+        else:
+            pair.handoff.advance(Stage.DONE if relayed.status < 400 else _failed(relayed.error))
+        finally:
+            pair.handoff.end(self.legs)
+            self._settle(pair)
         return relayed
 
     async def _send_pair(self, call: Call) -> _Pair:
@@ -87,7 +95,9 @@ class PushFlow:
         p_task = asyncio.create_task(self.legs.prefill(prefill, call, p_params))
         d_body = call.body_with(d_params)
         d_task = asyncio.create_task(self.legs.send(decode, call, d_body, "decode"))
-        return _Pair(prefill, decode, p_task, d_task, sent_s)
+        in_flight: dict[PoolName, asyncio.Task[Any]] = {"prefill": p_task, "decode": d_task}
+        handoff = Handoff(call.request_id, prefill, Stage.PAIRED, decode, in_flight=in_flight)
+        return _Pair(handoff, sent_s)
 
     async def _relay(self, call: Call, pair: _Pair, d_resp: aiohttp.ClientResponse) -> Relayed:
         """D's answer to the client, P's breakdown merged in; P failing ends D's read."""
@@ -110,24 +120,26 @@ class PushFlow:
         finally:
             p_task.remove_done_callback(fail_decode_read)
 
-    def _end_pair(self, call: Call, pair: _Pair, error: RouteError | None, *, is_ok: bool) -> None:
-        """Make sure neither leg outlives the request: abort the one that did not fail."""
+    def _settle(self, pair: _Pair) -> None:
+        """Whatever the stage, free what the legs' tasks hold: D's response, closed (a no-op
+        once relayed); a task still running (being cancelled, or P's answer still on its way
+        once D is done), left to finish with the other background work."""
         p_task, d_task = pair.p_task, pair.d_task
-        if error is not None and error.leg == "prefill":
-            d_task.cancel()
-            self.legs.abort(pair.decode, call.request_id)
-        elif not is_ok:  # D failed, the client left, or the handler was cancelled
-            p_task.cancel()
-            d_task.cancel()  # before D's headers: dropping the connection aborts it on D
-            self.legs.abort(pair.prefill, call.request_id)
         if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
-            d_task.result().close()  # no-op once relayed; else frees a response nobody reads
+            d_task.result().close()
         elif not d_task.done():
-            self.legs.keep(d_task)  # being cancelled: let it finish with the other background work
+            self.legs.keep(d_task)
         if p_task.done():
             consume(p_task)
-        else:  # D is done and P's answer is still on its way, or P is being cancelled
+        else:
             self.legs.keep(p_task)
+
+
+def _failed(error: RouteError | None) -> Stage:
+    """The stage a pair ends at when `error` ends it (None: no leg's error, e.g. cancelled)."""
+    if error is not None and error.leg == "prefill":
+        return Stage.PREFILL_FAILED
+    return Stage.DECODE_FAILED
 
 
 async def _first_response(

@@ -22,13 +22,13 @@ __all__ = [
     "CLIENT_GONE",
     "BreakdownSource",
     "Leg",
+    "Relay",
     "Relayed",
     "RouteError",
     "breakdown_of",
     "error_object",
     "merge_breakdowns",
     "read_all",
-    "relay",
 ]
 
 logger = logging.getLogger(__name__)
@@ -162,68 +162,64 @@ async def read_all(resp: aiohttp.ClientResponse, leg: Leg) -> bytes:
     return b"".join(parts)
 
 
-async def relay(
-    request: web.Request,
-    resp: aiohttp.ClientResponse,
-    leg: Leg,
-    request_id: str,
-    prefill_breakdown: BreakdownSource | None,
-    on_first_byte: Callable[[], None],
-) -> Relayed:
-    """Relay the leg that answers the client, merging P's breakdown into D's when given.
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """The leg that answers the client, relayed to it; P's breakdown is merged into D's when
+    `prefill_breakdown` is given."""
 
-    Raises RouteError for an upstream error status (passed through) or a failure before the
-    answer starts; after that, failures end the stream with an error event (`Relayed.error`).
-    Always closes `resp`: unread, that drops the connection, which aborts the request upstream.
-    """
-    try:
-        if resp.status < 400 and resp.content_type == "text/event-stream":
-            return await _relay_stream(
-                request, resp, leg, request_id, prefill_breakdown, on_first_byte
-            )
-        body = await read_all(resp, leg)
-        if resp.status >= 400:
-            raise RouteError.from_upstream(resp.status, body, resp.content_type, leg)
-        if prefill_breakdown is not None:
-            body = _merge_into(body, await prefill_breakdown())
-        on_first_byte()
-        out = web.Response(status=resp.status, body=body, headers={"X-Request-Id": request_id})
-        out.content_type = resp.content_type
-        return Relayed(out, resp.status)
-    finally:
-        resp.close()
+    request: web.Request  # the client's, which the answer is written to
+    resp: aiohttp.ClientResponse  # the leg's, once its headers came
+    leg: Leg
+    request_id: str  # the X-Request-Id of the answer
+    prefill_breakdown: BreakdownSource | None
+    on_first_byte: Callable[[], None]  # called once, when the answer starts
 
+    async def run(self) -> Relayed:
+        """Raises RouteError for an upstream error status (passed through) or a failure before
+        the answer starts; after that, failures end the stream with an error event
+        (`Relayed.error`). Always closes `resp`: unread, that drops the connection, which
+        aborts the request upstream."""
+        resp = self.resp
+        try:
+            if resp.status < 400 and resp.content_type == "text/event-stream":
+                return await self._stream()
+            body = await read_all(resp, self.leg)
+            if resp.status >= 400:
+                raise RouteError.from_upstream(resp.status, body, resp.content_type, self.leg)
+            if self.prefill_breakdown is not None:
+                body = _merge_into(body, await self.prefill_breakdown())
+            self.on_first_byte()
+            headers = {"X-Request-Id": self.request_id}
+            out = web.Response(status=resp.status, body=body, headers=headers)
+            out.content_type = resp.content_type
+            return Relayed(out, resp.status)
+        finally:
+            resp.close()
 
-async def _relay_stream(
-    request: web.Request,
-    resp: aiohttp.ClientResponse,
-    leg: Leg,
-    request_id: str,
-    prefill_breakdown: BreakdownSource | None,
-    on_first_byte: Callable[[], None],
-) -> Relayed:
-    out = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-    out.content_type = "text/event-stream"
-    try:
-        await out.prepare(request)
-        on_first_byte()
-        rest = b""
-        while chunk := await _read_chunk(resp, leg):
-            events, rest = _split_events(rest + chunk)
-            for event in events:
-                if prefill_breakdown is not None:
-                    event = await _merge_event(event, prefill_breakdown)
-                await out.write(event)
-        if rest.strip():
-            await out.write(rest + b"\n\n")
-        await out.write_eof()
-    except RouteError as exc:  # a leg failed mid-stream: end the stream with the error
-        logger.warning("request %s: %s leg failed mid-stream", request_id, exc.leg)
-        return await _end_with_error(out, exc)
-    except ConnectionResetError:  # writing to the client failed: it went away
-        logger.info("request %s: client disconnected", request_id)
-        return Relayed(out, CLIENT_GONE)
-    return Relayed(out, resp.status)
+    async def _stream(self) -> Relayed:
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": self.request_id}
+        out = web.StreamResponse(headers=headers)
+        out.content_type = "text/event-stream"
+        try:
+            await out.prepare(self.request)
+            self.on_first_byte()
+            rest = b""
+            while chunk := await _read_chunk(self.resp, self.leg):
+                events, rest = _split_events(rest + chunk)
+                for event in events:
+                    if self.prefill_breakdown is not None:
+                        event = await _merge_event(event, self.prefill_breakdown)
+                    await out.write(event)
+            if rest.strip():
+                await out.write(rest + b"\n\n")
+            await out.write_eof()
+        except RouteError as exc:  # a leg failed mid-stream: end the stream with the error
+            logger.warning("request %s: %s leg failed mid-stream", self.request_id, exc.leg)
+            return await _end_with_error(out, exc)
+        except ConnectionResetError:  # writing to the client failed: it went away
+            logger.info("request %s: client disconnected", self.request_id)
+            return Relayed(out, CLIENT_GONE)
+        return Relayed(out, self.resp.status)
 
 
 async def _end_with_error(out: web.StreamResponse, error: RouteError) -> Relayed:

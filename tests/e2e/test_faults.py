@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from disagg.router.call import kv_params, prefill_body, push_params
+from disagg.protocol import KVTransferParams
+from disagg.router.call import prefill_body, push_params
 from tests.e2e.cluster import (
     Answer,
     Cluster,
@@ -156,7 +157,7 @@ class TestPull:
         held, then freed when the 2 s lease expires (expired_leases +1)."""
         before = pull.prefill.stats()["expired_leases"]
         answer = _prefill_leg(
-            pull.prefill, _body(4), kv_params(do_remote_decode=True, connector="pull")
+            pull.prefill, _body(4), KVTransferParams(do_remote_decode=True, connector="pull")
         )
         assert answer.status == 200, answer.body
         assert pull.prefill.load()["num_free_blocks"] < pull.prefill.load()["num_total_blocks"]
@@ -199,7 +200,7 @@ def test_pull_prefill_killed_after_answering(cluster: Cluster, transport: str):
     try:
         assert complete(router.url, _body(10)).status == 200  # handshake done, peer known
         answer = _prefill_leg(
-            prefill, _body(11), kv_params(do_remote_decode=True, connector="pull")
+            prefill, _body(11), KVTransferParams(do_remote_decode=True, connector="pull")
         )
         prefill.kill()
         decoded = _decode_leg(decode, _body(11), answer.body["kv_transfer_params"])
@@ -333,7 +334,7 @@ def _long_body(seed: int) -> dict[str, Any]:
     return completion_body(prompt_ids(seed, LONG_PROMPT_TOKENS), 4)
 
 
-def _prefill_leg(prefill: Proc, body: dict[str, Any], params: dict[str, Any]) -> Answer:
+def _prefill_leg(prefill: Proc, body: dict[str, Any], params: KVTransferParams) -> Answer:
     """The P leg exactly as the router sends it (max_tokens 1, KV kept for a decode instance)."""
     return complete(
         prefill.url, prefill_body(body, params), timeout_s=CLIENT_TIMEOUT_S, signed=True
@@ -351,7 +352,7 @@ def _push_legs(prefill: Proc, body: dict[str, Any]) -> tuple[dict[str, Any], dic
     p_params, d_params = push_params(
         uuid.uuid4().hex, info["engine_id"], info["kv_host"], info["kv_port"], None
     )
-    return prefill_body(body, p_params), {**body, "kv_transfer_params": d_params}
+    return prefill_body(body, p_params), {**body, "kv_transfer_params": d_params.to_sparse_dict()}
 
 
 def _assert_failed(answer: Answer, reason: str) -> None:

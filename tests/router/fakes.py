@@ -20,20 +20,27 @@ from disagg.router.app import make_app, start_server
 from disagg.security import auth
 
 __all__ = [
+    "PROMPT",
     "FakeInstance",
     "Received",
+    "answer_after_abort",
     "completion",
     "default_handler",
     "free_port",
+    "metric",
+    "post",
     "read_events",
     "run_async",
     "running",
     "running_router",
     "sse",
+    "sse_response",
+    "wait_until",
 ]
 
 Handler = Callable[["FakeInstance", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 WAIT_S = 5.0  # every wait in a fake is bounded by this
+PROMPT = {"model": "m", "prompt": "hello", "max_tokens": 8}
 
 
 def run_async(coro: Coroutine[Any, Any, None], timeout_s: float = 20.0) -> None:
@@ -54,6 +61,47 @@ def completion(request_id: str, text: str, **extra: Any) -> dict[str, Any]:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    """An event-stream answer to `request`, its headers sent."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
+
+
+def answer_after_abort(request_id: str, text: str) -> Handler:
+    """A handler that answers `text` only once the router has aborted the request (or after
+    WAIT_S): a leg that outlives the other."""
+
+    async def handler(
+        fake: FakeInstance, request: web.Request, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        await asyncio.wait_for(fake.aborted.wait(), WAIT_S)
+        return web.json_response(completion(request_id, text))
+
+    return handler
+
+
+async def post(url: str, body: Any, path: str = "/v1/completions") -> tuple[int, Any]:
+    """A client's POST to the router: (status, JSON answer)."""
+    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def wait_until(condition: Callable[[], Any], timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def metric(url: str, name: str) -> float:
+    """One sample of the router's /metrics (0 when absent), e.g. 'x_total{leg="prefill"}'."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    rows = [row for row in text.splitlines() if row.startswith(name + " ")]
+    return float(rows[0].split()[-1]) if rows else 0.0
 
 
 @dataclass(slots=True)
@@ -187,8 +235,7 @@ async def default_handler(
     final = {"disagg": {"breakdown": {"transfer_s": 0.3, "first_step_s": 0.05}}}
     if not body.get("stream"):
         return web.json_response(completion(rid, "A b c", **final))
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
+    resp = await sse_response(request)
     for text in ("A", " b"):
         await resp.write(sse(completion(rid, text)))
     await resp.write(sse(completion(rid, " c", **final)) + b"data: [DONE]\n\n")

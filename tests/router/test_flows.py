@@ -5,38 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from tests.router.fakes import (
+    PROMPT,
     WAIT_S,
     FakeInstance,
+    answer_after_abort,
     completion,
     default_handler,
+    post,
     read_events,
     routed,
     run_async,
     running,
     running_router,
     sse,
+    sse_response,
+    wait_until,
 )
-
-PROMPT = {"model": "m", "prompt": "hello", "max_tokens": 8}
-
-
-async def post(url: str, body: Any, path: str = "/v1/completions") -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
-        return resp.status, await resp.json(content_type=None)
-
-
-async def wait_until(condition: Any, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_aggregated_stream_is_relayed_chunk_by_chunk() -> None:
@@ -44,8 +34,7 @@ def test_aggregated_stream_is_relayed_chunk_by_chunk() -> None:
         release, sent_last = asyncio.Event(), asyncio.Event()
 
         async def slow_stream(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await sse_response(request)
             await resp.write(sse(completion("x", "first")))
             await asyncio.wait_for(release.wait(), WAIT_S)  # the client must see "first" first
             await resp.write(sse(completion("x", "last")) + b"data: [DONE]\n\n")
@@ -128,10 +117,7 @@ def test_pull_chat_stream_limits_prefill_and_merges_breakdown_into_final_chunk()
 
 def test_pull_prefill_error_is_returned_and_decode_never_called() -> None:
     async def main() -> None:
-        error = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
-
-        async def reject(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            return web.json_response(error, status=400)
+        error, reject = _refusing("prompt too long", 400)
 
         p, d = FakeInstance("prefill", handler=reject), FakeInstance("decode")
         async with routed(p, d, mode="pull") as url:
@@ -159,6 +145,27 @@ def test_pull_prefill_connection_dropped_is_502() -> None:
     run_async(main())
 
 
+def test_pull_prefill_answer_with_invalid_kv_params_is_502_and_its_lease_released() -> None:
+    """P's kv_transfer_params are checked at the router (KVTransferParams.from_dict): a bad
+    one never reaches a decode instance, and P's lease is released as for none at all."""
+
+    async def bad_params(fake: FakeInstance, request: web.Request, body: dict) -> Any:
+        params = {"do_remote_prefill": True, "remote_block_ids": [-1]}
+        return web.json_response(completion("p", "A", kv_transfer_params=params))
+
+    async def main() -> None:
+        p, d = FakeInstance("prefill", handler=bad_params), FakeInstance("decode")
+        async with routed(p, d, mode="pull") as url:
+            status, answer = await post(url, PROMPT)
+            await wait_until(lambda: p.releases)
+        assert status == 502 and "invalid kv_transfer_params" in answer["error"]["message"]
+        assert d.received == []
+        rid = p.received[0].request_id
+        assert (p.aborts, p.releases) == ([rid], [rid])
+
+    run_async(main())
+
+
 def test_pull_least_loaded_picks_decode_from_load_read_after_prefill() -> None:
     async def main() -> None:
         d1 = FakeInstance("decode", load={"num_running": 0})
@@ -182,6 +189,16 @@ def test_pull_least_loaded_picks_decode_from_load_read_after_prefill() -> None:
         assert d2.received[0].at_s < d1.received[0].at_s
 
     run_async(main())
+
+
+def _refusing(message: str, status: int) -> tuple[dict[str, Any], Any]:
+    """An OpenAI-shaped error and a fake's handler that answers it with HTTP `status`."""
+    error = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+
+    async def reject(fake: FakeInstance, request: web.Request, body: dict) -> Any:
+        return web.json_response(error, status=status)
+
+    return error, reject
 
 
 def _push_cluster(p_handler: Any = None, d_handler: Any = None) -> tuple[FakeInstance, ...]:
@@ -230,8 +247,7 @@ def test_push_prefill_failure_mid_stream_ends_stream_with_error_and_aborts_decod
         started = asyncio.Event()
 
         async def stream_until_aborted(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await sse_response(request)
             await resp.write(sse(completion("x", "first")))
             started.set()
             await asyncio.wait_for(fake.aborted.wait(), WAIT_S)
@@ -260,14 +276,10 @@ def test_push_prefill_failure_mid_stream_ends_stream_with_error_and_aborts_decod
 
 def test_push_prefill_failure_before_decode_answers_returns_error_and_aborts_decode() -> None:
     async def main() -> None:
-        async def wait_for_abort(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            await asyncio.wait_for(fake.aborted.wait(), WAIT_S)
-            return web.json_response(completion("x", "never seen"))
-
         async def unavailable(fake: FakeInstance, request: web.Request, body: dict) -> Any:
             return web.Response(status=503, text="overloaded")
 
-        p, d = _push_cluster(unavailable, wait_for_abort)
+        p, d = _push_cluster(unavailable, answer_after_abort("x", "never seen"))
         async with routed(p, d, mode="push") as url:
             status, answer = await post(url, PROMPT)
             await wait_until(lambda: d.aborts)
@@ -281,14 +293,10 @@ def test_push_prefill_failure_before_decode_answers_returns_error_and_aborts_dec
 
 def test_push_decode_failure_aborts_prefill() -> None:
     async def main() -> None:
-        async def slow_prefill(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            await asyncio.wait_for(fake.aborted.wait(), WAIT_S)
-            return web.json_response(completion("p", "A"))
-
         async def refuse(fake: FakeInstance, request: web.Request, body: dict) -> Any:
             return web.json_response({"error": {"message": "no blocks", "code": 429}}, status=429)
 
-        p, d = _push_cluster(slow_prefill, refuse)
+        p, d = _push_cluster(answer_after_abort("p", "A"), refuse)
         async with routed(p, d, mode="push") as url:
             status, answer = await post(url, PROMPT)
             await wait_until(lambda: p.aborts)
@@ -303,8 +311,7 @@ def test_push_client_disconnect_closes_decode_and_aborts_prefill() -> None:
         decode_gone = asyncio.Event()
 
         async def endless(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await sse_response(request)
             try:
                 for i in range(int(WAIT_S / 0.02)):
                     await resp.write(sse(completion("x", f"t{i}")))
@@ -314,11 +321,7 @@ def test_push_client_disconnect_closes_decode_and_aborts_prefill() -> None:
                 raise
             return resp
 
-        async def slow_prefill(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            await asyncio.wait_for(fake.aborted.wait(), WAIT_S)
-            return web.json_response(completion("p", "A"))
-
-        p, d = _push_cluster(slow_prefill, endless)
+        p, d = _push_cluster(answer_after_abort("p", "A"), endless)
         async with routed(p, d, mode="push") as url:
             async with aiohttp.ClientSession() as session:
                 body = {**PROMPT, "stream": True}
@@ -334,10 +337,7 @@ def test_push_client_disconnect_closes_decode_and_aborts_prefill() -> None:
 
 def test_aggregated_upstream_4xx_passes_through_unchanged() -> None:
     async def main() -> None:
-        error = {"error": {"message": "bad temperature", "type": "BadRequestError", "code": 400}}
-
-        async def reject(fake: FakeInstance, request: web.Request, body: dict) -> Any:
-            return web.json_response(error, status=422)
+        error, reject = _refusing("bad temperature", 422)
 
         d = FakeInstance("both", handler=reject)
         async with running(d) as (d_url,), running_router(decode_urls=(d_url,)) as url:

@@ -177,7 +177,7 @@ def test_a_registration_from_another_decode_instance_is_never_written(target: Ta
     forged = {"transfer_id": "tid-bound", "engine_id": "decode-impostor", "block_ids": [0, 1],
               "ttl_s": 5}  # fmt: skip
     assert _post(prefill, forged, path="/kv/register", signed=True).status_code == 200
-    leg = {**completion_body(prompt_ids(8, 20), 1), "kv_transfer_params": p_params}
+    leg = {**completion_body(prompt_ids(8, 20), 1), "kv_transfer_params": p_params.to_sparse_dict()}
     written = prefill.stats()["transfers"]
     headers = {"X-Request-Id": "bound-1"}
     assert _post(prefill, leg, signed=True, headers=headers).status_code == 200
@@ -242,10 +242,10 @@ def test_late_write_after_a_failed_handoff_never_reaches_reused_blocks(
     bystanders = [completion_body(prompt_ids(12 + i % 2, 64), 48) for i in range(6)]
     # The legs straight to the instances: no router aborts P when D fails, so P still holds
     # the finished prefill when D's late registration arrives (as when an abort is lost).
-    p_leg = {**victim, "max_tokens": 1, "kv_transfer_params": p_params}
+    p_leg = {**victim, "max_tokens": 1, "kv_transfer_params": p_params.to_sparse_dict()}
     assert _post(prefill, p_leg, signed=True, headers={"X-Request-Id": "late-p"}).ok
     with ThreadPoolExecutor(1) as pool:
-        d_leg = {**victim, "kv_transfer_params": d_params}
+        d_leg = {**victim, "kv_transfer_params": d_params.to_sparse_dict()}
         pending = pool.submit(complete, decode.url, d_leg, signed=True)
         time.sleep(RESERVATION_S + 0.2)  # D has given up; its registration is still delayed
         deadline = time.monotonic() + REGISTER_DELAY_S + 1.0  # span the late registration
