@@ -44,7 +44,7 @@ from typing import Any
 
 import aiohttp
 
-from disagg.launcher import Cluster, ClusterConfig
+from disagg.cluster.launcher import Cluster, ClusterConfig
 
 MODES: dict[str, dict[str, Any]] = {
     "pull-inline": {"mode": "pull", "pull_setup": "inline"},

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disagg.cluster.processes import die_with_parent_fn, free_ports, is_healthy
 from disagg.config import ServerConfig
-from disagg.launcher_children import die_with_parent_fn, free_ports, is_healthy
 
 __all__ = ["INSTANCE_NAME", "NAMESPACE", "RayCluster", "import_ray", "run", "start_actor"]
 
@@ -233,8 +233,8 @@ def start_actor(
 
 def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:
     """`disagg up --backend ray` until SIGINT/SIGTERM; the exit code."""
-    from disagg.launcher import api_key_env, cluster_token, resolve_model_dir
-    from disagg.launcher_children import make_log_dir
+    from disagg.cluster.launcher import api_key_env, cluster_token, resolve_model_dir
+    from disagg.cluster.processes import make_log_dir
 
     model_dir = resolve_model_dir(config.model)
     log_dir = make_log_dir(config.log_dir)

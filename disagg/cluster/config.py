@@ -65,7 +65,7 @@ class ClusterConfig:
     # The clients' API key, for the router and every instance; None = $DISAGG_API_KEY, else
     # open. Children get it in their environment, never on their command line.
     api_key_file: Path | None = None
-    # local: child processes of `disagg up`; ray: Ray actors (disagg/ray_backend.py)
+    # local: child processes of `disagg up`; ray: Ray actors (cluster/ray_backend.py)
     backend: Backend = "local"
     ray_address: str = ""  # the Ray cluster to join; "" = start a local one (ray backend)
     startup_timeout_s: float = 300.0  # covers model loading on every instance

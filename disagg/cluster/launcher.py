@@ -1,7 +1,7 @@
 """`disagg up`: start a local cluster (instances, then the router), wait until healthy, tear down.
 
 Owns the cluster's plan and order: which children, on which ports, healthy in time, stopped
-router first; launcher_children.py is the per-process plumbing (ports, logs, health probes,
+router first; processes.py is the per-process plumbing (ports, logs, health probes,
 children that die with the launcher). Serving and routing live in the children; torch is
 imported here only when a short model name must be converted, once, before the instances start.
 """
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV, env_cluster_token, resolve_api_key
-from disagg.launcher_children import (
+from disagg.cluster.config import ClusterConfig, add_arguments, config_from_args
+from disagg.cluster.processes import (
     Child,
     check_port_free,
     die_with_parent_fn,
@@ -32,7 +32,7 @@ from disagg.launcher_children import (
     terminate,
     url_of,
 )
-from disagg.launcher_config import ClusterConfig, add_arguments, config_from_args
+from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV, env_cluster_token, resolve_api_key
 
 __all__ = [
     "Cluster",
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = _StopSignals()
     if config.backend == "ray":
-        from disagg import ray_backend  # Ray is optional: imported only for this backend
+        from disagg.cluster import ray_backend  # Ray is optional: imported only for this backend
 
         try:
             return ray_backend.run(config, stop.is_requested, _say)
