@@ -58,7 +58,8 @@ from typing import Any
 from soak import _TINY, _connect
 
 from disagg.bench.host import cpu_info
-from disagg.cluster.launcher import Cluster, ClusterConfig
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.router.call import kv_params, prefill_body
 from disagg.security import auth

@@ -52,7 +52,8 @@ import aiohttp
 from stall_bench import _BLOCK, _TIMEOUT, MODES, _cell, _git_version, _ms, _vocab_size, stream
 from stall_bench import loop_blocked as handoff_counter
 
-from disagg.cluster.launcher import Cluster, ClusterConfig
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
 
 LB_MODES = ("push", "pull-background", "pull-inline")
 _SETTLE_S = 0.3  # after all instances are idle: the router polls /load every 50 ms

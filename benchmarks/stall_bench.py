@@ -44,7 +44,8 @@ from typing import Any
 
 import aiohttp
 
-from disagg.cluster.launcher import Cluster, ClusterConfig
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
 
 MODES: dict[str, dict[str, Any]] = {
     "pull-inline": {"mode": "pull", "pull_setup": "inline"},

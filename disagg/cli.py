@@ -24,7 +24,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("disagg.server.main", "run one engine instance (role both, prefill or decode)"),
     "route": ("disagg.router.main", "run the OpenAI-compatible router in front of instances"),
-    "up": ("disagg.cluster.launcher", "start a local cluster (router + instances) and wait"),
+    "up": ("disagg.cluster.up", "start a local cluster (router + instances) and wait"),
     "status": ("disagg.status.main", "live view of every instance behind a router (like top)"),
     "scale": (
         "disagg.cluster.scale",

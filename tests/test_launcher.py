@@ -20,14 +20,15 @@ import pytest
 import requests
 
 from disagg import cli
-from disagg.cluster.config import load_toml, merge_config
-from disagg.cluster.launcher import (
-    Cluster,
+from disagg.cluster.config import (
     ClusterConfig,
     add_arguments,
     config_from_args,
-    free_ports,
+    load_toml,
+    merge_config,
 )
+from disagg.cluster.launcher import Cluster
+from disagg.cluster.processes import free_ports
 from disagg.engine.make_model import write_checkpoint
 
 # Small pool and context: the instances start in seconds and fit beside other test runs.

@@ -1,6 +1,6 @@
 """`disagg up` configuration: the frozen ClusterConfig, its TOML file, and the commands it implies.
 
-Owns validation (naming field and value), the `disagg up` flags (the launcher re-exports them),
+Owns validation (naming field and value), the `disagg up` flags (up.py offers them to the CLI),
 merging a TOML file with those flags (flags win), and the argv of every child process.
 Starts nothing and never imports torch.
 """

@@ -1,5 +1,8 @@
-"""The launcher's child processes: free ports, one log file each, health probes, dying with the
-launcher (PR_SET_PDEATHSIG) and ordered termination. No cluster logic (launcher.py has it).
+"""Process plumbing shared by everything that starts servers: free ports, health probes and
+waits, children that die with their parent (PR_SET_PDEATHSIG), start/stop as a `with` block.
+
+Used by the local launcher, the Ray backend and `disagg bench sweep`. Knows nothing of a
+cluster's plan (cluster/launcher.py has it) and never imports torch.
 """
 
 from __future__ import annotations
@@ -8,24 +11,22 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 __all__ = [
-    "Child", "check_port_free", "connect_host", "die_with_parent_fn", "free_ports", "is_healthy",
-    "make_log_dir", "terminate", "url_of",
+    "HEALTH_POLL_S", "StartStop", "check_port_free", "connect_host", "die_with_parent_fn",
+    "free_port", "free_ports", "is_healthy", "url_of", "wait_healthy",
 ]  # fmt: skip
 
+HEALTH_POLL_S = 0.2  # between /health probes (and the liveness checks beside them)
 HEALTH_TIMEOUT_S = 1.0  # one probe; a loaded instance still answers /health fast
-KILL_WAIT_S = 5.0  # after SIGKILL; only a process stuck in the kernel takes longer
-LOG_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -39,6 +40,11 @@ def free_ports(num_ports: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (the server binds it a moment later)."""
+    return free_ports(1)[0]
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -60,64 +66,6 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-@dataclass(slots=True)
-class Child:
-    """One child process (an instance or the router) across its port-clash retries."""
-
-    name: str  # "prefill-0", "decode-1", "both-0", "router"
-    role: str  # the serve role, or "router"
-    make_command: Callable[[int], list[str]]  # port -> argv
-    host: str  # where it binds
-    port: int
-    log_path: Path
-    is_port_ours: bool = True  # picked by us, so a clash may be retried on another
-    proc: subprocess.Popen[bytes] | None = None
-    log_offset: int = 0  # where this attempt's output starts in log_path
-    num_attempts: int = 0
-
-    @property
-    def url(self) -> str:
-        return url_of(connect_host(self.host), self.port)
-
-    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.log_offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-num_lines:])
-
-    def exit_report(self, when: str = "") -> str:
-        assert self.proc is not None, f"{self.name} was never started"
-        return (
-            f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode}{when}; "
-            f"last lines of {self.log_path}:\n{self.log_tail()}"
-        )
-
-
-def make_log_dir(log_dir: Path | None) -> Path:
-    if log_dir is None:
-        return Path(tempfile.mkdtemp(prefix="disagg-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return log_dir
-
-
-def die_with_parent_fn() -> Callable[[], None] | None:
-    """A preexec_fn that makes the kernel SIGKILL the child when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork; the child only calls
-    parent_pid = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
 def is_healthy(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local: no proxy
     try:
@@ -127,17 +75,56 @@ def is_healthy(url: str) -> bool:
         return False
 
 
-def terminate(children: list[Child], timeout_s: float) -> None:
-    procs = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            try:
-                proc.wait(timeout=KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                print(f"disagg up: pid {proc.pid} survived SIGKILL", file=sys.stderr)
+def wait_healthy(url: str, deadline: float, check_alive: Callable[[], None] = lambda: None) -> bool:
+    """Probe `url` until it answers 200 (True) or time.monotonic() passes `deadline` (False).
+
+    At least one probe, however late; `check_alive()` runs before each and raises to give up
+    (the server exited)."""
+    while True:
+        check_alive()
+        if is_healthy(url):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(HEALTH_POLL_S)
+
+
+def die_with_parent_fn() -> Callable[[], None] | None:
+    """A preexec_fn that makes the kernel SIGKILL the child when its parent dies (Linux only).
+
+    The kernel means the spawning *thread*: spawn from a thread that outlives the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork; the child only calls
+    parent_pid = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class StartStop(ABC):
+    """A `with` block over start() and stop(): stop() runs however the block ends."""
+
+    @abstractmethod
+    def start(self) -> object:
+        """Start everything; stop() must be safe to call after a start that raised."""
+
+    @abstractmethod
+    def stop(self) -> object:
+        """Stop whatever was started; idempotent."""
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
