@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 
 from disagg.bench import report
-from disagg.bench.main import BenchConfig, run_benchmark
 from disagg.bench.metrics import parse_goodput
+from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import WorkloadConfig
 from disagg.cluster.processes import StartStop, free_port, wait_healthy
 
