@@ -19,6 +19,7 @@ from disagg.bench import report, sweep
 from disagg.bench.flags import (
     add_arrival_arguments,
     add_workload_arguments,
+    from_flags,
     workload_from_args,
 )
 from disagg.bench.metrics import parse_goodput, parse_percentiles
@@ -70,22 +71,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A BenchConfig from parsed `disagg bench` flags (raises ValueError on bad values)."""
     if not args.base_url:
         raise ValueError("--base-url is required")
-    workload = workload_from_args(args)
-    return BenchConfig(
-        base_url=args.base_url,
-        endpoint=args.endpoint,
-        model=args.model,
-        workload=workload,
-        tokenizer=args.tokenizer,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        warmup=args.warmup,
+    return from_flags(
+        BenchConfig,
+        args,
+        workload=workload_from_args(args),
         percentiles=parse_percentiles(args.percentiles),
         goodput_slos_ms=parse_goodput(args.goodput),
         stream=not args.no_stream,
         ignore_eos=not args.no_ignore_eos,
-        temperature=args.temperature,
         extra_body=_parse_extra_body(args.extra_body),
         request_timeout_s=args.request_timeout,
         show_progress=not args.no_progress,
