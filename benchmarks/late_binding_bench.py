@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -56,10 +55,11 @@ from live_cluster import (
     CLIENT_TIMEOUT,
     MODES,
     format_cell,
-    git_version,
+    provenance,
     stream,
     to_ms,
     vocab_size,
+    write_result,
 )
 from live_cluster import loop_blocked as handoff_counter
 
@@ -295,15 +295,10 @@ def main(argv: list[str] | None = None) -> int:
               "seed")}  # fmt: skip
     config |= {"modes": modes, "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"}
     config |= {"serve_args": list(serve_args(args)), "threads_per_instance": 1}
-    config |= {"argv": sys.argv, "wall_s": round(time.perf_counter() - started, 1)}
-    config |= {"git": git_version(), "cpus": os.cpu_count()}
-    config["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    config |= provenance(started, load_start)
     result = {"config": config, "results": rows, "runs": runs}
     print_table(rows)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result(result, args.out)
     return 0
 
 

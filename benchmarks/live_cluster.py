@@ -1,14 +1,16 @@
 """What the benchmarks that measure a live local cluster share (stall_bench.py and
 late_binding_bench.py): the mode presets, a streamed completion that records each token's
-arrival time, an instance's loop-blocked histogram, the run's provenance (git version, the
-model's vocabulary) and number formatting. Imported by bare name: benchmarks/ is on sys.path
-when a benchmark runs as a script.
+arrival time, an instance's loop-blocked histogram, the run's provenance (code version, load,
+the model's vocabulary), number formatting and writing the JSON result. Imported by bare
+name: benchmarks/ is on sys.path when a benchmark runs as a script.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import aiohttp
 
 __all__ = [
     "BLOCK_SIZE", "CLIENT_TIMEOUT", "MODES", "format_cell", "git_version", "loop_blocked",
-    "stream", "to_ms", "vocab_size",
+    "provenance", "stream", "to_ms", "vocab_size", "write_result",
 ]  # fmt: skip
 
 MODES: dict[str, dict[str, Any]] = {
@@ -77,6 +79,27 @@ def to_ms(seconds: float | None) -> float | None:
 def format_cell(value: float | None, width: int) -> str:
     text = "-" if value is None else f"{value:.3f}" if value < 1 else f"{value:.1f}"
     return f"{text:>{width}}"
+
+
+def provenance(started: float, load_start: float) -> dict[str, Any]:
+    """The run's argv, wall time, code version, cores and 1-min load at its start and end.
+
+    `started` is time.perf_counter() and `load_start` os.getloadavg()[0], both at the start."""
+    return {
+        "argv": sys.argv,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "git": git_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_start_end": [load_start, os.getloadavg()[0]],
+    }
+
+
+def write_result(result: dict[str, Any], out: Path | None) -> None:
+    """The JSON document to `out` (indented) when given, then as the last stdout line."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
 
 
 def vocab_size(model: str) -> int:

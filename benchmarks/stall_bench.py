@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -50,11 +49,12 @@ from live_cluster import (
     CLIENT_TIMEOUT,
     MODES,
     format_cell,
-    git_version,
     loop_blocked,
+    provenance,
     stream,
     to_ms,
     vocab_size,
+    write_result,
 )
 
 from disagg.cluster.config import ClusterConfig
@@ -301,16 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     config = {key: getattr(args, key) for key in ("model", "repeats", "prompt_len", "num_new",
               "num_running", "gap_s", "baseline_s", "steady_max_tokens", "transport")}  # fmt: skip
     config |= {"modes": modes, "serve_args": list(serve_args(args)), "threads_per_instance": 1}
-    config |= {"argv": sys.argv, "wall_s": round(time.perf_counter() - started, 1)}
-    config |= {"git": git_version(), "cpus": os.cpu_count()}
-    config["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    config |= provenance(started, load_start)
     result = {"config": config, "results": rows, "background_vs_inline": ratio, "runs": runs}
     print_table(rows, ratio)
-    doc = json.dumps(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(doc)
+    write_result(result, args.out)
     return 0
 
 
