@@ -53,7 +53,8 @@ from child_procs import HOST, START_TIMEOUT_S, TINY_MODEL_ARGS, make_tiny_model,
 
 from disagg.bench.host import cpu_info
 from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
-from disagg.launcher import Cluster, ClusterConfig
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL_S = 0.5  # after an attack's last answer, still its window

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -49,10 +48,23 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from stall_bench import _BLOCK, _TIMEOUT, MODES, _cell, _git_version, _ms, _vocab_size, stream
-from stall_bench import loop_blocked as handoff_counter
 
-from disagg.launcher import Cluster, ClusterConfig
+# benchmarks/ is on sys.path when this file runs as a script.
+from live_cluster import (
+    BLOCK_SIZE,
+    CLIENT_TIMEOUT,
+    MODES,
+    format_cell,
+    provenance,
+    stream,
+    to_ms,
+    vocab_size,
+    write_result,
+)
+from live_cluster import loop_blocked as handoff_counter
+
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
 
 LB_MODES = ("push", "pull-background", "pull-inline")
 _SETTLE_S = 0.3  # after all instances are idle: the router polls /load every 50 ms
@@ -64,7 +76,8 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     burst_tokens = 8 + args.burst_max_tokens
     new_tokens = args.prompt_len + args.max_tokens
     max_len = max(burst_tokens, new_tokens) + 4
-    blocks = args.burst_size * math.ceil(burst_tokens / _BLOCK) + 2 * math.ceil(new_tokens / _BLOCK)
+    burst_blocks = args.burst_size * math.ceil(burst_tokens / BLOCK_SIZE)
+    blocks = burst_blocks + 2 * math.ceil(new_tokens / BLOCK_SIZE)
     return ("--max-model-len", str(max_len), "--num-blocks", str(blocks + 64),
             "--max-num-batched-tokens", str(args.batched_tokens))  # fmt: skip
 
@@ -138,7 +151,7 @@ async def measure(
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, min(40000, vocab)) for _ in range(n)]
 
-    async with aiohttp.ClientSession(timeout=_TIMEOUT, trust_env=False) as session:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, trust_env=False) as session:
         for _ in range(8):  # first contact of each D with P: handshake, wire-up
             if min(await handoffs(session, decode_urls)) > 0:
                 break
@@ -174,8 +187,8 @@ async def measure(
             index = await served_by(session, decode_urls, before)
             first, done = times["first"], times["done"]
             records.append({
-                "ttft_ms": _ms(first - times["sent"]),
-                "tpot_ms": _ms((done - first) / (args.max_tokens - 1)),
+                "ttft_ms": to_ms(first - times["sent"]),
+                "tpot_ms": to_ms((done - first) / (args.max_tokens - 1)),
                 "num_chunks": times["chunks"], "burst_target": target, "served_by": index,
                 "on_busy": None if index is None else index == target,
                 "burst_outlasted": outlasted,
@@ -236,7 +249,7 @@ def _median(values: list[float]) -> float | None:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'mode':>16}" + "".join(f"{h:>11}" for h in _HEADERS))
     for row in rows:
-        cells = [f"{row['num_new']:>11}"] + [_cell(row[k], 11) for k in _COLUMNS[1:]]
+        cells = [f"{row['num_new']:>11}"] + [format_cell(row[k], 11) for k in _COLUMNS[1:]]
         print(f"{row['mode']:>16}" + "".join(cells))
     print("ms, pooled over repeats; on_busy: fraction of new requests decoded on the D that got")
     print("the burst; tpot_busy / tpot_idle: median TPOT of those on the busy / the other D.")
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = args.modes.split(",")
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    vocab = _vocab_size(args.model)
+    vocab = vocab_size(args.model)
     runs = []
     with tempfile.TemporaryDirectory(prefix="late-binding-bench-") as tmp:
         for repeat in range(args.repeats):
@@ -282,15 +295,10 @@ def main(argv: list[str] | None = None) -> int:
               "seed")}  # fmt: skip
     config |= {"modes": modes, "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"}
     config |= {"serve_args": list(serve_args(args)), "threads_per_instance": 1}
-    config |= {"argv": sys.argv, "wall_s": round(time.perf_counter() - started, 1)}
-    config |= {"git": _git_version(), "cpus": os.cpu_count()}
-    config["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    config |= provenance(started, load_start)
     result = {"config": config, "results": rows, "runs": runs}
     print_table(rows)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result(result, args.out)
     return 0
 
 

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,19 +42,26 @@ from typing import Any
 
 import aiohttp
 
-from disagg.launcher import Cluster, ClusterConfig
+# benchmarks/ is on sys.path when this file runs as a script.
+import late_binding_bench
+from live_cluster import (
+    BLOCK_SIZE,
+    CLIENT_TIMEOUT,
+    MODES,
+    format_cell,
+    loop_blocked,
+    provenance,
+    stream,
+    to_ms,
+    vocab_size,
+    write_result,
+)
 
-MODES: dict[str, dict[str, Any]] = {
-    "pull-inline": {"mode": "pull", "pull_setup": "inline"},
-    "pull-background": {"mode": "pull", "pull_setup": "background"},
-    "push": {"mode": "push"},
-    "aggregated": {"mode": "aggregated", "num_decode": 1},
-}
-_BLOCK = 16  # tokens per KV block (the serve default)
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
+
 _STEADY_PROMPT = "Write a long story about a lighthouse keeper named {i} who finds a map in a "
 _STEADY_PROMPT += "bottle, and tell every detail of the journey that follows, chapter by chapter."
-_METRIC = "disagg_kv_loop_blocked_seconds"
-_TIMEOUT = aiohttp.ClientTimeout(total=900)
 
 
 def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -64,51 +69,12 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     steady_tokens = 64 + args.steady_max_tokens  # the prompt is < 64 tokens
     max_len = max(steady_tokens, args.prompt_len + 4)
     total = args.num_running * steady_tokens + (args.num_new + 1) * (args.prompt_len + 4)
-    num_blocks = max(math.ceil(total / _BLOCK) + 64, math.ceil(max_len / _BLOCK))
+    num_blocks = max(math.ceil(total / BLOCK_SIZE) + 64, math.ceil(max_len / BLOCK_SIZE))
     return ("--max-model-len", str(max_len), "--num-blocks", str(num_blocks),
             "--max-num-batched-tokens", str(args.batched_tokens))  # fmt: skip
 
 
 # ---- HTTP --------------------------------------------------------------------------------------
-
-
-async def stream(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], times: list[float]
-) -> dict[str, Any]:
-    """POST a streamed completion; append each token chunk's arrival time to `times`.
-
-    -> the final chunk's `disagg.breakdown`."""
-    breakdown: dict[str, Any] = {}
-    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        buffer = b""
-        async for chunk in resp.content.iter_any():
-            now = time.perf_counter()
-            *events, buffer = (buffer + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
-            for event in events:
-                payload = event.decode().removeprefix("data:").strip()
-                if payload == "[DONE]":
-                    return breakdown
-                data = json.loads(payload)
-                if "error" in data:
-                    raise RuntimeError(f"stream error: {json.dumps(data['error'])[:300]}")
-                if data.get("choices") and data["choices"][0].get("text"):
-                    times.append(now)
-                breakdown = (data.get("disagg") or {}).get("breakdown", breakdown)
-    return breakdown
-
-
-async def loop_blocked(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
-    """(sum seconds, count) of an instance's loop-blocked histogram."""
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    values = dict.fromkeys(("_sum", "_count"), 0.0)
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith(_METRIC) and name.removeprefix(_METRIC) in values:
-            values[name.removeprefix(_METRIC)] = float(value)
-    return values["_sum"], values["_count"]
 
 
 async def new_request(
@@ -149,7 +115,7 @@ async def measure(
     def prompt() -> list[int]:
         return [rng.randrange(100, min(40000, vocab)) for _ in range(args.prompt_len)]
 
-    async with aiohttp.ClientSession(timeout=_TIMEOUT, trust_env=False) as session:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, trust_env=False) as session:
         await new_request(session, url, prompt()[:64])  # first contact: handshake, wire-up
         await new_request(session, url, prompt())  # first long prefill and transfer
         streams: list[list[float]] = [[] for _ in range(args.num_running)]
@@ -205,19 +171,21 @@ def summarize(
     handoffs = after[1] - before[1]
     blocked = [r["loop_blocked_s"] for r in new if r["loop_blocked_s"] is not None]
     return {
-        "loop_blocked_ms_per_handoff": _ms((after[0] - before[0]) / handoffs) if handoffs else None,
+        "loop_blocked_ms_per_handoff": to_ms((after[0] - before[0]) / handoffs)
+        if handoffs
+        else None,
         "num_handoffs": int(handoffs),
-        "loop_blocked_ms_each": [_ms(b) for b in blocked],
-        "itl_p50_ms": _ms(_pct(inside, 50)),
-        "itl_p99_ms": _ms(_pct(inside, 99)),
-        "itl_max_ms": _ms(max(inside, default=None)),
-        "tpot_ms": _ms(statistics.mean(tpots) if tpots else None),
-        "baseline_itl_p50_ms": _ms(_pct(outside, 50)),
-        "baseline_itl_max_ms": _ms(max(outside, default=None)),
-        "new_ttft_ms": _ms(statistics.median(r["ttft_s"] for r in new)),
-        "new_ttft_ms_each": [_ms(r["ttft_s"]) for r in new],
-        "new_setup_ms_each": [_ms(r["handoff_setup_s"]) for r in new],
-        "new_transfer_ms_each": [_ms(r["transfer_s"]) for r in new],
+        "loop_blocked_ms_each": [to_ms(b) for b in blocked],
+        "itl_p50_ms": to_ms(_pct(inside, 50)),
+        "itl_p99_ms": to_ms(_pct(inside, 99)),
+        "itl_max_ms": to_ms(max(inside, default=None)),
+        "tpot_ms": to_ms(statistics.mean(tpots) if tpots else None),
+        "baseline_itl_p50_ms": to_ms(_pct(outside, 50)),
+        "baseline_itl_max_ms": to_ms(max(outside, default=None)),
+        "new_ttft_ms": to_ms(statistics.median(r["ttft_s"] for r in new)),
+        "new_ttft_ms_each": [to_ms(r["ttft_s"]) for r in new],
+        "new_setup_ms_each": [to_ms(r["handoff_setup_s"]) for r in new],
+        "new_transfer_ms_each": [to_ms(r["transfer_s"]) for r in new],
         "window_s": round(end - start, 3),
         "num_itl_window": len(inside),
         "num_itl_baseline": len(outside),
@@ -233,10 +201,6 @@ def _pct(values: list[float], q: float) -> float | None:
     low = math.floor(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 3)
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -275,7 +239,7 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
     widths = [19] + [10] * (len(_COLUMNS) - 1)
     print(f"{'mode':>16}" + "".join(f"{h:>{w}}" for h, w in zip(_HEADERS, widths, strict=True)))
     for row in rows:
-        cells = [_cell(row[k], w) for k, w in zip(_COLUMNS, widths, strict=True)]
+        cells = [format_cell(row[k], w) for k, w in zip(_COLUMNS, widths, strict=True)]
         print(f"{row['mode']:>16}" + "".join(cells))
     print("ms; itl_* / tpot: running streams while the new requests were in flight; base_p50:")
     print("their ITL outside that window; ttft: the new requests' (median over repeats).")
@@ -283,11 +247,6 @@ def print_table(rows: list[dict[str, Any]], ratio: float | None) -> None:
         print(
             f"loop blocked per handoff, pull-background / pull-inline: {ratio:.2%} (target: <= 5%)"
         )
-
-
-def _cell(value: float | None, width: int) -> str:
-    text = "-" if value is None else f"{value:.3f}" if value < 1 else f"{value:.1f}"
-    return f"{text:>{width}}"
 
 
 def _ratio(rows: list[dict[str, Any]]) -> float | None:
@@ -320,23 +279,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _vocab_size(model: str) -> int:
-    from disagg.engine.checkpoint import resolve_model  # torch: only once we run
-
-    return int(json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"])
-
-
-def _git_version() -> str | None:
-    """HEAD, with "-dirty" when disagg/ has uncommitted changes (the code this run measured)."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
-    try:
-        head = subprocess.check_output([*git, "rev-parse", "--short", "HEAD"], text=True)
-        dirty = subprocess.check_output([*git, "status", "--porcelain", "--", "disagg"], text=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.strip() + ("-dirty" if dirty.strip() else "")
-
-
 _EXPERIMENTS = ("stall", "late-binding")
 
 
@@ -345,14 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--experiment", choices=_EXPERIMENTS, default="stall")
     experiment, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     if experiment.experiment == "late-binding":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import late_binding_bench  # imports this module: only once it is needed
-
         return late_binding_bench.main(rest)
     args = parse_args(argv)
     modes = args.modes.split(",")
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    vocab = _vocab_size(args.model)
+    vocab = vocab_size(args.model)
     runs = []
     with tempfile.TemporaryDirectory(prefix="stall-bench-") as tmp:
         for repeat in range(args.repeats):
@@ -362,16 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     config = {key: getattr(args, key) for key in ("model", "repeats", "prompt_len", "num_new",
               "num_running", "gap_s", "baseline_s", "steady_max_tokens", "transport")}  # fmt: skip
     config |= {"modes": modes, "serve_args": list(serve_args(args)), "threads_per_instance": 1}
-    config |= {"argv": sys.argv, "wall_s": round(time.perf_counter() - started, 1)}
-    config |= {"git": _git_version(), "cpus": os.cpu_count()}
-    config["loadavg_1m_start_end"] = [load_start, os.getloadavg()[0]]
+    config |= provenance(started, load_start)
     result = {"config": config, "results": rows, "background_vs_inline": ratio, "runs": runs}
     print_table(rows, ratio)
-    doc = json.dumps(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(doc)
+    write_result(result, args.out)
     return 0
 
 

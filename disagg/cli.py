@@ -24,9 +24,12 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("disagg.server.main", "run one engine instance (role both, prefill or decode)"),
     "route": ("disagg.router.main", "run the OpenAI-compatible router in front of instances"),
-    "up": ("disagg.launcher", "start a local cluster (router + instances) and wait"),
+    "up": ("disagg.cluster.up", "start a local cluster (router + instances) and wait"),
     "status": ("disagg.status.main", "live view of every instance behind a router (like top)"),
-    "scale": ("disagg.scale", "grow or drain one role of a cluster on Ray, dropping nothing"),
+    "scale": (
+        "disagg.cluster.scale",
+        "grow or drain one role of a cluster on Ray, dropping nothing",
+    ),
     "bench": ("disagg.bench.main", "load-test any OpenAI-compatible server"),
     "sim": ("disagg.sim.main", "simulate a deployment (pull, push, aggregated) on a cost model"),
     "make-model": ("disagg.engine.make_model", "write a random-weight checkpoint"),

@@ -20,9 +20,16 @@ import pytest
 import requests
 
 from disagg import cli
+from disagg.cluster.config import (
+    ClusterConfig,
+    add_arguments,
+    config_from_args,
+    load_toml,
+    merge_config,
+)
+from disagg.cluster.launcher import Cluster
+from disagg.cluster.processes import free_ports
 from disagg.engine.make_model import write_checkpoint
-from disagg.launcher import Cluster, ClusterConfig, add_arguments, config_from_args, free_ports
-from disagg.launcher_config import load_toml, merge_config
 
 # Small pool and context: the instances start in seconds and fit beside other test runs.
 SERVE_ARGS = ("--num-blocks", "64", "--max-model-len", "512")
@@ -106,7 +113,7 @@ def test_one_cluster_file_serves_both_backends(tmp_path: Path) -> None:
 
 
 def test_ray_backend_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from disagg import ray_backend
+    from disagg.cluster import ray_backend
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(RuntimeError, match=re.escape("pip install 'disagg[ray]'")):

@@ -1,17 +1,23 @@
 """The workload and arrival flags `disagg bench` and `disagg sim` share (same names, same
-defaults), and the WorkloadConfig they parse into. No aiohttp or torch here: the simulator
-imports it without the load generator's client."""
+defaults), the WorkloadConfig they parse into, and `from_flags`, which fills any config
+dataclass from the flags named as its fields. No aiohttp or torch here: the simulator imports
+it without the load generator's client."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import fields
+from typing import Any, TypeVar
 
 from disagg.bench.workload import WorkloadConfig
 
 __all__ = [
-    "add_arrival_arguments", "add_workload_arguments", "workload_from_args", "workload_keys",
+    "add_arrival_arguments", "add_workload_arguments", "from_flags", "workload_from_args",
+    "workload_keys",
 ]  # fmt: skip
+
+_Config = TypeVar("_Config")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -65,19 +71,17 @@ def add_arrival_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     return g
 
 
+def from_flags(config_type: type[_Config], args: argparse.Namespace, **values: Any) -> _Config:
+    """A config_type (a dataclass) from the parsed flags whose dest is one of its fields, as
+    given; `values` set the fields whose flag is spelled or typed otherwise."""
+    names = [f.name for f in fields(config_type)]  # type: ignore[arg-type]
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return config_type(**{**given, **values})
+
+
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     """The WorkloadConfig of parsed workload flags (raises ValueError on bad values)."""
-    return WorkloadConfig(
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        token_range=_parse_token_range(args.token_range),
-        seed=args.seed,
-    )
+    return from_flags(WorkloadConfig, args, token_range=_parse_token_range(args.token_range))
 
 
 def workload_keys(w: WorkloadConfig) -> dict[str, object]:

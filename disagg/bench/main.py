@@ -1,7 +1,7 @@
 """`disagg bench`: load-test any OpenAI-compatible server (and `disagg bench sweep`).
 
-Owns `BenchConfig`, the `run_benchmark` orchestration (workload -> warm-up -> paced load ->
-metrics) and the command line. Prints a table, then one JSON summary as the last stdout line.
+Owns the command line: flags into a BenchConfig, one `run_benchmark` (runner.py), then a
+table and one JSON summary as the last stdout line; `disagg bench sweep` is sweep.py's.
 Never imports torch: the benchmark must run anywhere a client can.
 """
 
@@ -10,158 +10,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
-from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
 import aiohttp
 
-from disagg.bench import report
-from disagg.bench.arrivals import arrival_offsets_s
-from disagg.bench.client import (
-    build_payload,
-    fetch_model_id,
-    is_chat_endpoint,
-    make_session,
-    run_requests,
-)
+from disagg.bench import report, sweep
 from disagg.bench.flags import (
     add_arrival_arguments,
     add_workload_arguments,
+    from_flags,
     workload_from_args,
-    workload_keys,
 )
-from disagg.bench.host import describe_host
-from disagg.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
-from disagg.bench.workload import (
-    BenchPrompt,
-    WorkloadConfig,
-    load_tokenizer,
-    make_workload,
-    to_text_prompts,
-)
+from disagg.bench.metrics import parse_goodput, parse_percentiles
+from disagg.bench.runner import BenchConfig, run_benchmark
 
-__all__ = ["BenchConfig", "add_arguments", "config_from_args", "run", "run_benchmark"]
-
-_WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from measured ones (no prefix-cache help)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BenchConfig:
-    base_url: str  # e.g. http://127.0.0.1:8000 (no trailing /v1)
-    endpoint: str = "/v1/completions"  # or /v1/chat/completions
-    model: str | None = None  # None = the first id the server lists at /v1/models
-    workload: WorkloadConfig = WorkloadConfig()
-    tokenizer: str | None = None  # tokenizer.json or model dir: exact text lengths, chat decoding
-    request_rate: float = math.inf  # req/s; inf = all at once
-    burstiness: float = 1.0  # gamma shape; 1 = Poisson
-    max_concurrency: int | None = None  # cap on requests in flight
-    warmup: int = 0  # requests sent (and awaited) before measuring
-    percentiles: tuple[float, ...] = (90.0, 99.0)
-    goodput_slos_ms: dict[str, float] = field(default_factory=dict)  # {"ttft": 500, ...}
-    stream: bool = True
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
-    request_timeout_s: float = 600.0
-    show_progress: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-        if not self.endpoint.startswith("/"):
-            raise ValueError(f"endpoint must start with /, got {self.endpoint!r}")
-        if self.max_concurrency is not None and self.max_concurrency <= 0:
-            raise ValueError(f"max_concurrency must be > 0, got {self.max_concurrency}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-
-    @property
-    def url(self) -> str:
-        return self.base_url.rstrip("/") + self.endpoint
-
-
-def _prompts(cfg: BenchConfig, workload: WorkloadConfig) -> list[BenchPrompt]:
-    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    prompts = make_workload(workload, tokenizer)
-    if is_chat_endpoint(cfg.endpoint) and not isinstance(prompts[0].prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"{cfg.endpoint} takes text: use --dataset text or pass --tokenizer")
-        prompts = to_text_prompts(prompts, tokenizer)
-    return prompts
-
-
-def _bodies(cfg: BenchConfig, model: str, prompts: list[BenchPrompt]) -> list[dict[str, Any]]:
-    return [
-        build_payload(
-            p,
-            model=model,
-            endpoint=cfg.endpoint,
-            stream=cfg.stream,
-            ignore_eos=cfg.ignore_eos,
-            temperature=cfg.temperature,
-            extra_body=cfg.extra_body,
-        )
-        for p in prompts
-    ]
-
-
-def _run_header(cfg: BenchConfig, model: str) -> dict[str, Any]:
-    w = cfg.workload
-    return {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat" if is_chat_endpoint(cfg.endpoint) else "openai",
-        "base_url": cfg.base_url,
-        "endpoint": cfg.endpoint,
-        "model_id": model,
-        **workload_keys(w),
-        # JSON has no infinity; vLLM writes the string "inf" too
-        "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
-        "burstiness": cfg.burstiness,
-        "max_concurrency": cfg.max_concurrency,
-        "warmup": cfg.warmup,
-        "goodput_slos_ms": dict(cfg.goodput_slos_ms),
-        # The machine the bench ran on (the servers' too when local, as `disagg up` makes them).
-        "host": describe_host(),
-    }
-
-
-async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
-    """Run one benchmark and return the full result (summary keys + per-request lists)."""
-    prompts = _prompts(cfg, cfg.workload)
-    offsets_s = arrival_offsets_s(len(prompts), cfg.request_rate, cfg.burstiness, cfg.workload.seed)
-    async with make_session(cfg.max_concurrency, cfg.request_timeout_s) as session:
-        model = cfg.model or await fetch_model_id(session, cfg.base_url)
-        if cfg.warmup:
-            warm_workload = replace(
-                cfg.workload,
-                num_prompts=cfg.warmup,
-                seed=cfg.workload.seed + _WARMUP_SEED_OFFSET,
-            )
-            warm = _prompts(cfg, warm_workload)
-            await run_requests(
-                session,
-                cfg.url,
-                warm,
-                _bodies(cfg, model, warm),
-                [0.0] * len(warm),
-                max_concurrency=cfg.max_concurrency,
-            )
-        results, duration_s = await run_requests(
-            session,
-            cfg.url,
-            prompts,
-            _bodies(cfg, model, prompts),
-            offsets_s,
-            max_concurrency=cfg.max_concurrency,
-            show_progress=cfg.show_progress,
-        )
-    metrics = compute_metrics(results, duration_s, cfg.percentiles, cfg.goodput_slos_ms or None)
-    return {**_run_header(cfg, model), **metrics}
+__all__ = ["add_arguments", "config_from_args", "run"]
 
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,8 +36,6 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `disagg bench`; `disagg bench sweep ...` is a sub-command with its own flags."""
-    from disagg.bench import sweep  # imported here: sweep imports this module
-
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument(
         "--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions"
@@ -209,22 +71,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A BenchConfig from parsed `disagg bench` flags (raises ValueError on bad values)."""
     if not args.base_url:
         raise ValueError("--base-url is required")
-    workload = workload_from_args(args)
-    return BenchConfig(
-        base_url=args.base_url,
-        endpoint=args.endpoint,
-        model=args.model,
-        workload=workload,
-        tokenizer=args.tokenizer,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        warmup=args.warmup,
+    return from_flags(
+        BenchConfig,
+        args,
+        workload=workload_from_args(args),
         percentiles=parse_percentiles(args.percentiles),
         goodput_slos_ms=parse_goodput(args.goodput),
         stream=not args.no_stream,
         ignore_eos=not args.no_ignore_eos,
-        temperature=args.temperature,
         extra_body=_parse_extra_body(args.extra_body),
         request_timeout_s=args.request_timeout,
         show_progress=not args.no_progress,
@@ -241,8 +95,6 @@ def _parse_extra_body(text: str | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """`disagg bench`: exit 0 when at least one request completed, 1 otherwise, 2 on bad flags."""
     if getattr(args, "bench_command", None) == "sweep":
-        from disagg.bench import sweep
-
         return sweep.run(args)
     try:
         cfg = config_from_args(args)

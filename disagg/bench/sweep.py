@@ -14,23 +14,20 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 
 from disagg.bench import report
-from disagg.bench.main import BenchConfig, run_benchmark
 from disagg.bench.metrics import parse_goodput
+from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import WorkloadConfig
+from disagg.cluster.processes import StartStop, free_port, wait_healthy
 
 __all__ = [
     "MODES",
@@ -38,7 +35,6 @@ __all__ = [
     "SweepConfig",
     "add_arguments",
     "cluster_command",
-    "free_port",
     "render_outputs",
     "run",
     "run_sweep",
@@ -46,7 +42,6 @@ __all__ = [
 ]
 
 MODES = ("aggregated", "pull", "pull-inline", "push")  # pull = pull with background setup
-_HEALTH_POLL_S = 0.2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,13 +80,6 @@ class SweepConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-def free_port() -> int:
-    """A loopback TCP port free right now (the cluster binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def cluster_command(cfg: SweepConfig, mode: str, port: int) -> list[str]:
     """`disagg up --mode MODE --model DIR --port P --num-prefill N --num-decode M [extra]`.
 
@@ -108,16 +96,7 @@ def cluster_command(cfg: SweepConfig, mode: str, port: int) -> list[str]:
     return cmd + list(cfg.up_args)
 
 
-def _is_healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-    try:
-        with opener.open(url, timeout=2.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-class Cluster:
+class Cluster(StartStop):
     """One up-command subprocess in its own session, so a SIGKILL reaches its children too."""
 
     def __init__(
@@ -150,16 +129,16 @@ class Cluster:
         """Block until GET /health is 200; RuntimeError if the process exits or time runs out."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"cluster exited with code {self.proc.returncode} before /health was ready:\n"
-                    f"{self._log_tail()}"
-                )
-            if _is_healthy(f"{self.base_url}/health"):
-                return
-            time.sleep(_HEALTH_POLL_S)
-        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f} s:\n{self._log_tail()}")
+        if not wait_healthy(f"{self.base_url}/health", deadline, self._check_running):
+            raise RuntimeError(f"cluster not healthy after {timeout_s:.0f} s:\n{self._log_tail()}")
+
+    def _check_running(self) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"cluster exited with code {self.proc.returncode} before /health was ready:\n"
+                f"{self._log_tail()}"
+            )
 
     def stop(self) -> int | None:
         """SIGTERM, wait up to `stop_timeout_s`, then SIGKILL the whole process group.
@@ -184,18 +163,6 @@ class Cluster:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # the group is already gone
-
-    def __enter__(self) -> Cluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _bench_config(

@@ -60,7 +60,7 @@ from disagg.server.openai_responses import (
 )
 from disagg.server.output_processor import OutputProcessor, TextDelta
 from disagg.server.security import is_cluster_call, make_auth_middleware
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 __all__ = ["make_app", "start_server"]
 

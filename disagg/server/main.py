@@ -211,7 +211,7 @@ async def _serve(config: EngineConfig, server: ServerConfig, model_dir: Path) ->
     from disagg.engine.async_engine import AsyncEngine
     from disagg.server.app import make_app, start_server
     from disagg.server.kv_routes import kv_routes
-    from disagg.tokenizer import Tokenizer
+    from disagg.server.tokenizer import Tokenizer
 
     stop = _stop_event()  # first: a signal during the (long) engine start still shuts down cleanly
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from disagg.protocol import FinishReason, RequestOutput, TokenLogprobs
 from disagg.server.openai_responses import LogprobEntry
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 __all__ = ["OutputProcessor", "TextDelta"]
 

@@ -91,9 +91,10 @@ def _decode_step_s_in_fresh_process(model_dir: Path) -> float:
 
 
 def _served(model_dir: Path, num_requests: int) -> dict:
-    from disagg.bench.main import BenchConfig, run_benchmark
+    from disagg.bench.runner import BenchConfig, run_benchmark
     from disagg.bench.workload import WorkloadConfig
-    from disagg.launcher import Cluster, ClusterConfig
+    from disagg.cluster.config import ClusterConfig
+    from disagg.cluster.launcher import Cluster
 
     config = ClusterConfig(
         mode="aggregated",

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from disagg.bench.client import make_session, run_requests
-from disagg.bench.main import BenchConfig, run_benchmark
+from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import BenchPrompt, WorkloadConfig
 from disagg.cli import main as cli_main
 from tests.bench.fake_server import FakeBehavior, ThreadedServer

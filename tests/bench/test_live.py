@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.main import BenchConfig, run_benchmark
+from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import WorkloadConfig
 from tests.e2e.cluster import Proc, running_cluster
 

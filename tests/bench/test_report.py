@@ -11,13 +11,13 @@ import pytest
 
 from disagg.bench import report
 from disagg.bench.host import describe_host
-from disagg.bench.main import BenchConfig, run_benchmark
 from disagg.bench.report import (
     breakdown_at_highest_load,
     format_sweep_markdown,
     format_table,
     to_json_line,
 )
+from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import WorkloadConfig
 from disagg.cli import main as cli_main
 from tests.bench.fake_server import FakeBehavior, ThreadedServer

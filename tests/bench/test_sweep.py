@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.sweep import Cluster, SweepConfig, cluster_command, free_port
+from disagg.bench.sweep import Cluster, SweepConfig, cluster_command
 from disagg.cli import main as cli_main
+from disagg.cluster.processes import free_port
 
 FAKE_UP = [sys.executable, str(Path(__file__).with_name("fake_up.py"))]
 

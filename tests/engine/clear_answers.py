@@ -13,7 +13,7 @@ turn one of these into a tie.
 
 from __future__ import annotations
 
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 __all__ = ["CLEAR_ANSWERS", "MIN_MARGIN_NATS", "chat_prompt"]
 

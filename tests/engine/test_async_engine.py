@@ -20,7 +20,7 @@ from disagg.protocol import (
     SamplingParams,
 )
 from disagg.server.app import make_app, start_server
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 SLOW_STEP_S = 0.4
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from disagg.protocol import SamplingParams
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.engine.clear_answers import CLEAR_ANSWERS, MIN_MARGIN_NATS, chat_prompt
 from tests.engine.test_equivalence import (
     _hf_model,

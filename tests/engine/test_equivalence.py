@@ -19,7 +19,7 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.engine import Engine
 from disagg.protocol import SamplingParams
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.engine.clear_answers import CLEAR_ANSWERS, chat_prompt
 
 

@@ -14,7 +14,7 @@ from disagg.engine.sampler import Sampler
 from disagg.kv.common import KVIdentity
 from disagg.kv.pull import PullScheduler
 from disagg.protocol import KVTransferParams, SamplingParams, TokenLogprobs
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.engine.test_equivalence import _hf_model, _prompts, assert_pool_full, make_engine
 from tests.engine.test_scheduler import drain
 from tests.fakes import (

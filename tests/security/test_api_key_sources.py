@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from disagg.cluster.config import ClusterConfig, config_from_args
+from disagg.cluster.config import add_arguments as add_up_arguments
+from disagg.cluster.launcher import Cluster
 from disagg.config import API_KEY_ENV, resolve_api_key
 from disagg.engine.make_model import write_checkpoint
-from disagg.launcher import Cluster, ClusterConfig, config_from_args
-from disagg.launcher import add_arguments as add_up_arguments
 from disagg.router import main as route_main
 from disagg.server import main as serve_main
 

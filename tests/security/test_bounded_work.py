@@ -40,7 +40,7 @@ from disagg.server.openai_api import (
     parse_completion_request,
 )
 from disagg.server.output_processor import OutputProcessor
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.e2e.cluster import (
     Cluster,
     Proc,

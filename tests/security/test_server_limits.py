@@ -23,7 +23,7 @@ from disagg.router.app import make_app as make_router_app
 from disagg.router.app import start_server as start_router
 from disagg.server.app import make_app as make_instance_app
 from disagg.server.app import start_server as start_instance
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.router.fakes import run_async
 from tests.server.fakes import FakeEngine, make_tokenizer_dir
 

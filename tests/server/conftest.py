@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from disagg.server.app import make_app
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.server.fakes import FakeEngine, ServerThread, make_tokenizer_dir
 
 OUTPUT_TEXT = "Hello world, this is a test."

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.security import auth
 from disagg.server.engine_client import EngineOverloadedError
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.server.conftest import CLUSTER_TOKEN, OUTPUT_TEXT
 from tests.server.fakes import FakeEngine, ServerThread, wait_until
 

@@ -13,7 +13,7 @@ from disagg.protocol import FinishReason, RequestOutput, TokenLogprobs
 from disagg.server.openai_api import APIError, parse_chat_request, parse_completion_request
 from disagg.server.openai_responses import LogprobEntry, chat_logprobs, completion_logprobs
 from disagg.server.output_processor import OutputProcessor
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 from tests.server.conftest import OUTPUT_TEXT
 from tests.server.fakes import FakeEngine, ServerThread
 from tests.server.test_app import _client, _post, _sse

@@ -6,7 +6,7 @@ import random
 
 from disagg.protocol import FinishReason, RequestOutput
 from disagg.server.output_processor import OutputProcessor, TextDelta, _StopMatcher
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 
 def _feed(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.tokenizer import Tokenizer
+from disagg.server.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -84,8 +84,8 @@ def test_pull_binds_decode_late_from_live_load() -> None:
 
 
 def test_result_has_every_bench_key() -> None:
-    from disagg.bench.main import BenchConfig, _run_header
     from disagg.bench.metrics import RequestResult
+    from disagg.bench.runner import BenchConfig, _run_header
 
     bench_keys = set(_run_header(BenchConfig(base_url="http://x"), "m"))
     one = RequestResult(input_len=1, start_s=0.0, token_times_s=[1.0, 2.0], end_s=2.0)

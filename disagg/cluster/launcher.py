@@ -1,54 +1,39 @@
-"""`disagg up`: start a local cluster (instances, then the router), wait until healthy, tear down.
+"""The local backend of `disagg up`: instances, then the router, as children of this process.
 
 Owns the cluster's plan and order: which children, on which ports, healthy in time, stopped
-router first; launcher_children.py is the per-process plumbing (ports, logs, health probes,
-children that die with the launcher). Serving and routing live in the children; torch is
-imported here only when a short model name must be converted, once, before the instances start.
+router first. children.py holds each child's record and its termination, processes.py the
+ports, health probes and dying with the launcher, prepare.py what is settled before the first
+child starts. Serving and routing live in the children.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import secrets
-import shlex
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType, TracebackType
 
-from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV, env_cluster_token, resolve_api_key
-from disagg.launcher_children import (
-    Child,
+from disagg.cluster.children import Child, terminate
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.prepare import api_key_env, cluster_token, make_log_dir, resolve_model_dir
+from disagg.cluster.processes import (
+    HEALTH_POLL_S,
+    StartStop,
     check_port_free,
     die_with_parent_fn,
+    free_port,
     free_ports,
     is_healthy,
-    make_log_dir,
-    terminate,
-    url_of,
 )
-from disagg.launcher_config import ClusterConfig, add_arguments, config_from_args
+from disagg.config import CLUSTER_TOKEN_ENV
 
-__all__ = [
-    "Cluster",
-    "ClusterConfig",
-    "add_arguments",
-    "api_key_env",
-    "config_from_args",
-    "free_ports",
-    "run",
-]
+__all__ = ["Cluster"]
 
-HEALTH_POLL_S = 0.2  # between /health probes and child liveness checks
 MAX_PORT_ATTEMPTS = 3  # a picked port can be taken between our probe and the child's bind
 
 
-class Cluster:
+class Cluster(StartStop):
     """Router + instances as child processes of this one; a context manager (start, then stop).
 
     Start it from a thread that outlives the cluster: PR_SET_PDEATHSIG fires when the *thread*
@@ -142,18 +127,6 @@ class Cluster:
             terminate([self._router], self.config.stop_timeout_s)
         terminate(self._instances, self.config.stop_timeout_s)
 
-    def __enter__(self) -> Cluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def _plan_instances(self, model_dir: Path) -> list[Child]:
         assert self.log_dir is not None
         cfg = self.config
@@ -173,7 +146,7 @@ class Cluster:
     def _plan_router(self) -> Child:
         assert self.log_dir is not None
         urls = self.instance_urls
-        port = self.config.port or free_ports(1)[0]
+        port = self.config.port or free_port()
 
         def command(port: int) -> list[str]:
             return self.config.route_command(urls, port)
@@ -229,123 +202,6 @@ class Cluster:
         if not (is_clash and child.is_port_ours and child.num_attempts < MAX_PORT_ATTEMPTS):
             raise RuntimeError(child.exit_report(" during startup"))
         self._echo(f"disagg up: {child.name}: port {child.port} was taken, retrying")
-        child.port = free_ports(1)[0]
+        child.port = free_port()
         self._spawn(child)
         return False
-
-
-def cluster_token() -> str:
-    """The operator's cluster secret ($DISAGG_CLUSTER_TOKEN), else a fresh one for this cluster."""
-    return env_cluster_token() or secrets.token_urlsafe(32)
-
-
-def api_key_env(config: ClusterConfig) -> dict[str, str]:
-    """{$DISAGG_API_KEY: the key} for the children when the key is in a file (they inherit it
-    from our own environment otherwise). RuntimeError if the file cannot be read."""
-    if config.api_key_file is None:
-        return {}
-    try:
-        return {API_KEY_ENV: resolve_api_key("", config.api_key_file)}
-    except ValueError as exc:
-        raise RuntimeError(str(exc)) from exc
-
-
-def resolve_model_dir(model: str) -> Path:
-    """Convert a short name once, here, so that N instances don't all race to convert it."""
-    path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        return path.resolve()  # a ready directory: no need to import torch in the launcher
-    from disagg.engine.checkpoint import resolve_model
-
-    try:
-        return resolve_model(model).resolve()
-    except (OSError, ValueError) as exc:
-        raise RuntimeError(f"cannot resolve model {model!r}: {exc}") from exc
-
-
-# --------------------------------------------------------------------------- command line
-
-
-class _StopSignals:
-    """Records SIGINT/SIGTERM instead of raising, so a stop never interrupts a half-done step."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in self._previous:
-            signal.signal(sig, self._record)
-
-    def _record(self, signum: int, _frame: FrameType | None) -> None:
-        self.signal_name = self.signal_name or signal.Signals(signum).name
-
-    def is_requested(self) -> bool:
-        return self.signal_name is not None
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
-        print(f"disagg up: {exc}", file=sys.stderr)
-        return 2
-    stop = _StopSignals()
-    if config.backend == "ray":
-        from disagg import ray_backend  # Ray is optional: imported only for this backend
-
-        try:
-            return ray_backend.run(config, stop.is_requested, _say)
-        finally:
-            stop.restore()
-    cluster = Cluster(config, echo=_say)
-    try:
-        return _run_cluster(cluster, stop)
-    finally:
-        cluster.stop()
-        stop.restore()
-
-
-def _run_cluster(cluster: Cluster, stop: _StopSignals) -> int:
-    try:
-        cluster.start(should_stop=stop.is_requested)
-    except RuntimeError as exc:
-        if stop.is_requested():
-            _say(f"disagg up: {stop.signal_name} during startup, stopped")
-            return 0
-        print(f"disagg up: {exc}", file=sys.stderr)
-        return 1
-    _announce(cluster)
-    while not stop.is_requested():
-        dead = cluster.dead_process()
-        if dead is not None:
-            time.sleep(HEALTH_POLL_S)  # a Ctrl-C reaches the children too: was it ours?
-            if stop.is_requested():
-                break
-            print(f"disagg up: {dead}\nstopping the cluster", file=sys.stderr)
-            return 1
-        time.sleep(HEALTH_POLL_S)
-    _say(f"disagg up: {stop.signal_name}, stopping the router, then the instances")
-    return 0
-
-
-def _announce(cluster: Cluster) -> None:
-    cfg = cluster.config
-    num_decode = sum(len(urls) for role, urls in cluster.instance_urls.items() if role != "prefill")
-    num_prefill = len(cluster.instance_urls.get("prefill", []))
-    ready = f"disagg up ready on {url_of(cfg.host, cluster.port)}"
-    if cfg.mode == "aggregated":
-        _say(f"{ready} (mode aggregated: {num_decode} instance(s), prefill and decode in each)")
-    else:
-        _say(f"{ready} (mode {cfg.mode}: {num_prefill} prefill, {num_decode} decode)")
-    body = json.dumps({"model": cfg.model, "prompt": "Hello", "max_tokens": 16})
-    _say(
-        f"  try: curl -s {cluster.url}/v1/completions -H 'Content-Type: application/json' "
-        f"-d {shlex.quote(body)}"
-    )

@@ -1,6 +1,6 @@
 """`disagg up` configuration: the frozen ClusterConfig, its TOML file, and the commands it implies.
 
-Owns validation (naming field and value), the `disagg up` flags (the launcher re-exports them),
+Owns validation (naming field and value), the `disagg up` flags (up.py offers them to the CLI),
 merging a TOML file with those flags (flags win), and the argv of every child process.
 Starts nothing and never imports torch.
 """
@@ -65,7 +65,7 @@ class ClusterConfig:
     # The clients' API key, for the router and every instance; None = $DISAGG_API_KEY, else
     # open. Children get it in their environment, never on their command line.
     api_key_file: Path | None = None
-    # local: child processes of `disagg up`; ray: Ray actors (disagg/ray_backend.py)
+    # local: child processes of `disagg up`; ray: Ray actors (cluster/ray_backend.py)
     backend: Backend = "local"
     ray_address: str = ""  # the Ray cluster to join; "" = start a local one (ray backend)
     startup_timeout_s: float = 300.0  # covers model loading on every instance

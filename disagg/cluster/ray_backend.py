@@ -10,7 +10,8 @@ If a child dies, its actor exits and Ray restarts the actor (up to MAX_RESTARTS)
 the child again; an instance re-registers and the router sends it work again. Teardown drains
 every instance (SIGTERM: it finishes what it holds, then deregisters), stops the router, kills
 the actors and, when this command started Ray itself, shuts Ray down. `ray` is an optional
-dependency (`pip install 'disagg[ray]'`); nothing else imports this module.
+dependency (`pip install 'disagg[ray]'`); `disagg up` and `disagg scale` import this module
+only for this backend.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.prepare import api_key_env, cluster_token, make_log_dir, resolve_model_dir
+from disagg.cluster.processes import die_with_parent_fn, free_port, wait_healthy
 from disagg.config import ServerConfig
-from disagg.launcher_children import die_with_parent_fn, free_ports, is_healthy
 
 __all__ = ["INSTANCE_NAME", "NAMESPACE", "RayCluster", "import_ray", "run", "start_actor"]
 
@@ -114,7 +117,7 @@ class RayCluster:
 
     def __init__(
         self,
-        config: Any,
+        config: ClusterConfig,
         model_dir: Path,
         log_dir: Path,
         cluster_token: str,
@@ -147,10 +150,9 @@ class RayCluster:
             self.instances[name] = self._actor(name, argv, gpus=1 if has_gpus else 0)
         deadline = time.monotonic() + self.config.startup_timeout_s
         ray.get([a.url.remote(self.config.startup_timeout_s) for a in self.instances.values()])
-        while not is_healthy(f"{self.url}/health"):  # every role registered and healthy
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router at {self.url} never had every role ready")
-            time.sleep(_POLL_S)
+        # Healthy once every role has registered a healthy instance.
+        if not wait_healthy(f"{self.url}/health", deadline):
+            raise RuntimeError(f"the router at {self.url} never had every role ready")
         return self.url
 
     def stop(self) -> None:
@@ -171,7 +173,7 @@ class RayCluster:
         self._ray = None
 
     def _start_router(self) -> str:
-        port = self.config.port or free_ports(1)[0]
+        port = self.config.port or free_port()
         argv = self.config.route_command({}, port)
         if argv[-1] == "--decode":  # no instance to name: they register themselves
             argv.pop()
@@ -231,11 +233,8 @@ def start_actor(
     return remote.remote(argv, env, str(log_dir / f"{name}.log"), options)
 
 
-def run(config: Any, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:
+def run(config: ClusterConfig, should_stop: Callable[[], bool], echo: Callable[[str], None]) -> int:
     """`disagg up --backend ray` until SIGINT/SIGTERM; the exit code."""
-    from disagg.launcher import api_key_env, cluster_token, resolve_model_dir
-    from disagg.launcher_children import make_log_dir
-
     model_dir = resolve_model_dir(config.model)
     log_dir = make_log_dir(config.log_dir)
     echo(f"disagg up: logs in {log_dir}")

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from disagg.ray_backend import INSTANCE_NAME, NAMESPACE, import_ray, start_actor
+    from disagg.cluster.ray_backend import INSTANCE_NAME, NAMESPACE, import_ray, start_actor
 
     ray = import_ray()
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
