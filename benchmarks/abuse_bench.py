@@ -52,9 +52,9 @@ from abuse_stats import gap_stats, gaps_overlapping, ratio, slowest_health, to_m
 from child_procs import HOST, START_TIMEOUT_S, TINY_MODEL_ARGS, make_tiny_model, memory_mib
 
 from disagg.bench.host import cpu_info
-from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from disagg.cluster.config import ClusterConfig
 from disagg.cluster.launcher import Cluster
+from disagg.config import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL_S = 0.5  # after an attack's last answer, still its window
