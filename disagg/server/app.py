@@ -25,20 +25,15 @@ from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
 from disagg.server.engine_client import EngineClient
 from disagg.server.generation import Generation, Submit
 from disagg.server.instance_routes import InstanceRoutes
+from disagg.server.json_body import parse_json_body
 from disagg.server.metrics import ServerMetrics
 from disagg.server.openai_api import (
     APIError,
     GenerateRequest,
-    check_body_size,
-    check_prompt_size,
     error_body,
     make_sampling_params,
     parse_chat_request,
     parse_completion_request,
-    parse_json_body,
-    prompt_char_limit,
-    prompt_chars,
-    resolve_max_tokens,
     status_code_name,
 )
 from disagg.server.openai_responses import (
@@ -49,6 +44,13 @@ from disagg.server.openai_responses import (
     usage_chunk,
 )
 from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.server.prompt_limits import (
+    check_body_size,
+    check_prompt_size,
+    prompt_char_limit,
+    prompt_chars,
+    resolve_max_tokens,
+)
 from disagg.server.security import is_cluster_call, make_auth_middleware
 from disagg.tokenizer import Tokenizer
 

@@ -12,8 +12,9 @@ import time
 from aiohttp import web
 
 from disagg.server.engine_client import EngineClient
+from disagg.server.json_body import parse_json_body
 from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
-from disagg.server.openai_api import APIError, parse_json_body
+from disagg.server.openai_api import APIError
 
 __all__ = ["InstanceRoutes"]
 
