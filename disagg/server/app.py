@@ -38,8 +38,6 @@ from disagg.server.openai_api import (
 )
 from disagg.server.openai_responses import (
     ResponseMeta,
-    chat_body,
-    completion_body,
     sse_event,
     usage_chunk,
 )
@@ -268,12 +266,7 @@ class _Server:
 
     async def _complete(self, run: Generation, submit: Submit) -> web.Response:
         await self._drive(run, submit, _ignore)
-        build = chat_body if run.request.is_chat else completion_body
-        finish_reason = run.processor.finish_reason
-        assert finish_reason is not None, f"{run.meta.request_id}: drive returned unfinished"
-        text, usage = run.processor.text, run.usage()
-        body = build(run.meta, text, finish_reason, usage, run.final_extra(), run.logprobs())
-        return web.json_response(body, headers={"X-Request-Id": run.meta.request_id})
+        return web.json_response(run.body(), headers={"X-Request-Id": run.meta.request_id})
 
     async def _stream(
         self, request: web.Request, run: Generation, submit: Submit
@@ -304,8 +297,8 @@ class _Server:
             await response.write(sse_event(exc.body()))
         else:
             if run.request.include_usage:
-                object_name = "chat.completion.chunk" if run.request.is_chat else "text_completion"
-                await response.write(sse_event(usage_chunk(run.meta, object_name, run.usage())))
+                chunk = usage_chunk(run.meta, run.request.is_chat, run.usage())
+                await response.write(sse_event(chunk))
         await response.write(sse_event("[DONE]"))
         await response.write_eof()
 

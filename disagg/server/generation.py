@@ -24,10 +24,10 @@ from disagg.server.openai_api import APIError, GenerateRequest
 from disagg.server.openai_responses import (
     LogprobEntry,
     ResponseMeta,
-    chat_chunk,
     chat_logprobs,
-    completion_chunk,
     completion_logprobs,
+    response_body,
+    response_chunk,
     usage_dict,
 )
 from disagg.server.output_processor import OutputProcessor, TextDelta
@@ -87,6 +87,14 @@ class Generation:
             extra["kv_transfer_params"] = last.kv_transfer_params
         return extra
 
+    def body(self) -> dict[str, Any]:
+        """The whole answer, once the request has finished."""
+        finish_reason = self.processor.finish_reason
+        assert finish_reason is not None, f"{self.meta.request_id}: drive returned unfinished"
+        text, is_chat = self.processor.text, self.request.is_chat
+        extra, logprobs = self.final_extra(), self.logprobs()
+        return response_body(self.meta, is_chat, text, finish_reason, self.usage(), extra, logprobs)
+
     def chunk(self, step: TextDelta) -> dict[str, Any] | None:
         """The SSE chunk for one step, or None when it carries nothing."""
         if not step.text and step.finish_reason is None:
@@ -95,12 +103,14 @@ class Generation:
         self.num_chunks_sent += 1
         logprobs = self.logprobs(self.num_logprobs_sent)
         self.num_logprobs_sent = len(self.logprob_entries)
-        if not self.request.is_chat:
-            return completion_chunk(self.meta, step.text, step.finish_reason, extra, logprobs)
-        delta = {"content": step.text} if step.text else {}
-        if self.num_chunks_sent == 1:
-            delta = {"role": "assistant", "content": step.text}
-        return chat_chunk(self.meta, delta, step.finish_reason, extra, logprobs)
+        content: dict[str, Any] = {"text": step.text}
+        if self.request.is_chat:
+            delta = {"content": step.text} if step.text else {}
+            if self.num_chunks_sent == 1:
+                delta = {"role": "assistant", "content": step.text}
+            content = {"delta": delta}
+        is_chat, reason = self.request.is_chat, step.finish_reason
+        return response_chunk(self.meta, is_chat, content, reason, extra, logprobs)
 
     def submit(self, submit: Submit) -> AsyncIterator[RequestOutput]:
         try:
