@@ -264,7 +264,7 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)  # "" = the OpenAI API is open, as vLLM's
     max_request_bytes: int = 16 * 1024 * 1024  # a 128k-token prompt as ids is ~1 MB
     # Text / chat prompts longer than this get HTTP 400 before they are tokenized;
-    # 0 = max_model_len x 16 (disagg.server.openai_api.PROMPT_CHARS_PER_TOKEN).
+    # 0 = max_model_len x 16 (disagg.server.prompt_limits.PROMPT_CHARS_PER_TOKEN).
     max_prompt_chars: int = 0
     router_url: str = ""  # register with this router and heartbeat; "" = be listed statically
     advertise_url: str = ""  # the URL the router reaches us at; "" = http://host:port

@@ -1,7 +1,8 @@
 """One engine instance: scheduler + KV connector + model runner, stepped by one thread.
 
-`Engine.step()` is the architecture diagram: schedule -> start KV loads -> run the model ->
-poll KV transfers -> update. It is not thread-safe; `AsyncEngine` calls it from its loop thread.
+`Engine.step()` is the architecture diagram: begin (schedule, start KV loads) -> run the model
+-> finish (poll KV transfers, update); the halves live in step.py, which the simulator calls too.
+It is not thread-safe; `AsyncEngine` calls it from its loop thread.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ from disagg.engine.model_runner import ModelRunner
 from disagg.engine.outputs import RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
+from disagg.engine.step import EngineStep
 from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from disagg.engine.kv_connector import (
-        KVConnectorMeta,
-        KVConnectorScheduler,
-        KVConnectorWorker,
-    )
+    from disagg.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker
 
 # (config, runner, wake=...) -> (scheduler half, worker half)
 ConnectorFactory = Callable[..., "tuple[KVConnectorScheduler, KVConnectorWorker]"]
@@ -72,7 +70,7 @@ class Engine:
             eos_token_ids=tuple(self.spec.eos_token_ids),
             connector=kv_scheduler,
         )
-        self.num_steps = 0
+        self.stepper = EngineStep(self.scheduler, self.kv_worker)
 
     def _make_connector(
         self, factory: ConnectorFactory | None, wake: object
@@ -111,25 +109,14 @@ class Engine:
         return self.scheduler.has_unfinished or self.scheduler.has_kv_pending
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule(time.monotonic())
-        self._start_kv(sched.kv_meta)  # inline pull: READs are posted here, on the loop
+        sched = self.stepper.begin(time.monotonic())
         runner_out = self._execute(sched)
-        if self.kv_worker is not None:
-            runner_out.kv = self.kv_worker.get_finished()
-        self.num_steps += 1
-        outputs = self.scheduler.update(sched, runner_out, time.monotonic())
-        # Sends and aborts that update() raised reach the worker before the outputs leave.
-        self._start_kv(self.scheduler.take_kv_meta())
-        return outputs
-
-    def _start_kv(self, meta: KVConnectorMeta | None) -> None:
-        if self.kv_worker is not None and meta is not None and not meta.is_empty:
-            self.kv_worker.start_load(meta)
+        return self.stepper.finish(sched, runner_out, time.monotonic())
 
     def take_outputs(self) -> list[RequestOutput]:
         """Outputs produced between steps (an abort while idle): publish them now, or the
         aborted client waits for the next step that may never come."""
-        self._start_kv(self.scheduler.take_kv_meta())  # the aborts, for the worker
+        self.stepper.start_kv(self.scheduler.take_kv_meta())  # the aborts, for the worker
         return self.scheduler.take_pending_outputs()
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:

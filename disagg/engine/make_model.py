@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from disagg.config import cache_dir
-from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.model_spec import ModelSpec
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "add_arguments", "run", "write_checkpoint"]
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.engine.checkpoint import ModelSpec
 from disagg.engine.fused_ops import FusedOps
 from disagg.engine.linear import PackedLinear, concat_linears, to_packed
+from disagg.engine.model_spec import ModelSpec
 from disagg.engine.rope import rotate
 
 __all__ = ["AttentionFn", "CausalLM"]

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from disagg.config import EngineConfig, limit_native_caches
-from disagg.engine.checkpoint import ModelSpec, load_weights
+from disagg.engine.checkpoint import load_weights
 from disagg.engine.dtypes import TORCH_DTYPES, resolve_dtype
 from disagg.engine.fused_ops import make_fused_ops
 from disagg.engine.linear import packable
 from disagg.engine.model import CausalLM
+from disagg.engine.model_spec import ModelSpec
 from disagg.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from disagg.engine.paged_attention import make_paged_attention
 from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables

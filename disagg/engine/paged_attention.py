@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -49,33 +50,32 @@ class PagedAttention:
         self, layer: int, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
     ) -> torch.Tensor:
         """q [B, Hq, D]; table [B, W] long block ids; lens [B] long keys each -> [B, Hq, D]."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        status = self._decode(
-            q.data_ptr(), self.kv_cache.data_ptr(), out.data_ptr(), table.data_ptr(),
-            lens.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
-            self.num_layers, self.block_size, table.shape[1], layer, self.scale, self.is_bf16,
-            torch.get_num_threads(),
+        return self._run(
+            self._decode, "decode", q, table.data_ptr(), lens.data_ptr(), q.shape[0],
+            self.num_heads, self.num_kv_heads, self.head_dim, self.num_layers, self.block_size,
+            table.shape[1], layer, self.scale, self.is_bf16, torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"paged decode kernel refused its shapes (status {status})")
-        return out
 
     def prefill(
         self, layer: int, q: torch.Tensor, blocks: torch.Tensor, start_pos: int
     ) -> torch.Tensor:
         """q [n, Hq, D], the tokens at positions start_pos .. start_pos + n - 1; blocks [nb]
         long, the sequence's blocks covering start_pos + n keys -> [n, Hq, D], causal."""
+        return self._run(
+            self._prefill, "prefill", q, blocks.data_ptr(), q.shape[0], start_pos,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.num_layers, self.block_size,
+            layer, self.scale, self.is_bf16, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def _run(
+        self, kernel: Callable[..., int], name: str, q: torch.Tensor, *args: object
+    ) -> torch.Tensor:
+        """Call `kernel(q, cache, out, *args)` into a fresh output shaped as q."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        status = self._prefill(
-            q.data_ptr(), self.kv_cache.data_ptr(), out.data_ptr(), blocks.data_ptr(),
-            q.shape[0], start_pos, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.num_layers, self.block_size, layer, self.scale, self.is_bf16,
-            torch.get_num_threads(),
-        )  # fmt: skip
+        status = kernel(q.data_ptr(), self.kv_cache.data_ptr(), out.data_ptr(), *args)
         if status != 0:
-            raise RuntimeError(f"paged prefill kernel refused its shapes (status {status})")
+            raise RuntimeError(f"paged {name} kernel refused its shapes (status {status})")
         return out
 
 

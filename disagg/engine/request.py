@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from disagg.protocol import (
     FinishReason,
     KVTransferParams,
+    RequestOutput,
     SamplingParams,
     TokenLogprobs,
     TTFTBreakdown,
@@ -109,3 +110,41 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def stop_status(
+        self, token: int, max_model_len: int, eos_token_ids: frozenset[int]
+    ) -> RequestStatus | None:
+        """The finished state `token` (just appended) puts this request in, or None."""
+        sampling = self.sampling
+        if self.num_output_tokens >= sampling.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_output_tokens < sampling.min_tokens:
+            return None
+        if token in sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not sampling.ignore_eos and token in eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def take_output(self) -> RequestOutput:
+        """What the caller has not seen yet (tokens since the last output), as one output;
+        marks those tokens emitted."""
+        new_tokens = self.output_token_ids[self.num_emitted_tokens :]
+        new_logprobs = None
+        if self.sampling.logprobs is not None:
+            new_logprobs = self.output_logprobs[self.num_emitted_tokens :]
+        self.num_emitted_tokens = self.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=self.finish_status.finish_reason if self.finish_status else None,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_result,
+            error=self.error,
+            breakdown=self.breakdown,
+            new_logprobs=new_logprobs,
+        )

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.model_spec import ModelSpec
 
 __all__ = ["cos_sin", "inv_freq_and_scale", "rope_tables", "rotate"]
 

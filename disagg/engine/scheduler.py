@@ -188,7 +188,7 @@ class Scheduler:
             if token is None:
                 continue
             self._append_token(request, token, now, runner.logprobs.get(scheduled.request_id))
-            outputs.append(self._output(request))
+            outputs.append(request.take_output())
         self._apply_kv(runner.kv, now)
         outputs.extend(self._pending_outputs)
         self._pending_outputs = []
@@ -203,23 +203,9 @@ class Scheduler:
         request.output_token_ids.append(token)
         if request.sampling.logprobs is not None:
             request.output_logprobs.append(logprobs)
-        status = self._stop_status(request, token)
+        status = request.stop_status(token, self.config.max_model_len, self.eos_token_ids)
         if status is not None:
             self._finish(request, status, now, emit=False)
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        sampling = request.sampling
-        if request.num_output_tokens >= sampling.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < sampling.min_tokens:
-            return None
-        if token in sampling.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if not sampling.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def _apply_kv(self, kv: KVConnectorOutput, now: float) -> None:
         if self.connector is not None:
@@ -257,7 +243,7 @@ class Scheduler:
             # recomputing the last prompt token here (one step less on the TTFT path).
             request.breakdown.first_step_s = 0.0
             self._append_token(request, first_token, now, _relayed_logprobs(params))
-            self._pending_outputs.append(self._output(request))
+            self._pending_outputs.append(request.take_output())
         else:
             request.num_computed_tokens -= 1  # recompute the last prompt token to sample
 
@@ -324,7 +310,7 @@ class Scheduler:
         else:
             self._finish_computed(request)
         if emit:
-            self._pending_outputs.append(self._output(request))
+            self._pending_outputs.append(request.take_output())
 
     def _finish_computed(self, request: Request) -> None:
         params = None
@@ -353,25 +339,6 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
-    def _output(self, request: Request) -> RequestOutput:
-        new_tokens = request.output_token_ids[request.num_emitted_tokens :]
-        new_logprobs = None
-        if request.sampling.logprobs is not None:
-            new_logprobs = request.output_logprobs[request.num_emitted_tokens :]
-        request.num_emitted_tokens = request.num_output_tokens
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_tokens,
-            finish_reason=request.finish_status.finish_reason if request.finish_status else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            kv_transfer_params=request.kv_result,
-            error=request.error,
-            breakdown=request.breakdown,
-            new_logprobs=new_logprobs,
-        )
-
     def take_kv_meta(self) -> KVConnectorMeta | None:
         """The connector's work raised since schedule() (sends and aborts from update() or
         from an abort between steps), for the worker."""
@@ -386,14 +353,7 @@ class Scheduler:
         """Raise if the pool's books disagree, or if a block some transfer may still touch is
         free (it could be handed to another request while bytes land in it)."""
         self.block_pool.check_integrity()
-        queued = [(r.request_id, r.num_computed_tokens) for r in self.waiting]
-        if self.waiting.num_tokens != sum(r.num_tokens for r in self.waiting) or any(
-            computed for _, computed in queued
-        ):
-            raise AssertionError(
-                f"waiting queue's token sum {self.waiting.num_tokens} is stale, or a waiting "
-                f"request holds computed tokens: {queued[:8]}"
-            )
+        self.waiting.check_integrity()
         if self.connector is None:
             return
         exposed = sorted(

@@ -39,6 +39,18 @@ class WaitingQueue:
         self._queue.remove(request)
         self.num_tokens -= request.num_tokens
 
+    def check_integrity(self) -> None:
+        """Raise if the kept token sum is stale, or a waiting request holds computed tokens
+        (a head that could not start is reset, so the sum is what is left to prefill)."""
+        queued = [(r.request_id, r.num_computed_tokens) for r in self._queue]
+        if self.num_tokens != sum(r.num_tokens for r in self._queue) or any(
+            computed for _, computed in queued
+        ):
+            raise AssertionError(
+                f"waiting queue's token sum {self.num_tokens} is stale, or a waiting "
+                f"request holds computed tokens: {queued[:8]}"
+            )
+
     def __getitem__(self, index: int) -> Request:
         return self._queue[index]
 

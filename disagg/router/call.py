@@ -16,14 +16,9 @@ from aiohttp import web
 from disagg.protocol import KVTransferParams
 from disagg.router.body_parser import INLINE_PARSE_BYTES, BodyParser, Refusal
 from disagg.router.relay import RouteError
-from disagg.server.openai_api import (
-    APIError,
-    check_body_size,
-    check_prompt_size,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
+from disagg.server.json_body import parse_json_body
+from disagg.server.openai_api import APIError, parse_chat_request, parse_completion_request
+from disagg.server.prompt_limits import check_body_size, check_prompt_size
 
 __all__ = [
     "Call",

@@ -1,5 +1,5 @@
-"""Per-instance HTTP app: OpenAI-compatible generation endpoints plus /health, /load, /kv_info,
-/metrics, /v1/models and the internal POST /v1/abort.
+"""Per-instance HTTP app: OpenAI-compatible generation endpoints, plus the instance's own
+(/health, /load, /kv_info, /metrics, /v1/models, POST /v1/abort: instance_routes.py).
 
 Owns a request's life at the HTTP boundary: validate, tokenize, submit, stream, and abort the engine
 request on every exit but a normal finish (client gone, stop string, failure). Must not do engine
@@ -14,7 +14,6 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -23,42 +22,33 @@ from disagg.config import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from disagg.protocol import RequestOutput
 from disagg.security.call_guard import Identity
 from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
-from disagg.server.engine_client import (
-    EngineClient,
-    EngineOverloadedError,
-    RequestFencedError,
-    RequestIdInUseError,
-)
-from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
+from disagg.server.engine_client import EngineClient
+from disagg.server.generation import Generation, Submit
+from disagg.server.instance_routes import InstanceRoutes
+from disagg.server.json_body import parse_json_body
+from disagg.server.metrics import ServerMetrics
 from disagg.server.openai_api import (
     APIError,
     GenerateRequest,
-    check_body_size,
-    check_prompt_size,
     error_body,
     make_sampling_params,
     parse_chat_request,
     parse_completion_request,
-    parse_json_body,
-    prompt_char_limit,
-    prompt_chars,
-    resolve_max_tokens,
     status_code_name,
 )
 from disagg.server.openai_responses import (
-    LogprobEntry,
     ResponseMeta,
-    chat_body,
-    chat_chunk,
-    chat_logprobs,
-    completion_body,
-    completion_chunk,
-    completion_logprobs,
     sse_event,
     usage_chunk,
-    usage_dict,
 )
 from disagg.server.output_processor import OutputProcessor, TextDelta
+from disagg.server.prompt_limits import (
+    check_body_size,
+    check_prompt_size,
+    prompt_char_limit,
+    prompt_chars,
+    resolve_max_tokens,
+)
 from disagg.server.security import is_cluster_call, make_auth_middleware
 from disagg.server.tokenizer import Tokenizer
 
@@ -74,7 +64,6 @@ _INLINE_TOKENIZE_CHARS = 64 * 1024
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 Parse = Callable[[Mapping[str, Any]], GenerateRequest]
-Submit = Callable[[], AsyncIterator[RequestOutput]]
 Emit = Callable[[TextDelta], Awaitable[None]]
 
 
@@ -100,7 +89,8 @@ def make_app(
     whole, bodies not received within `body_timeout_s` with 408. Text and chat prompts over
     `max_prompt_chars` characters (0: the engine's max_model_len x PROMPT_CHARS_PER_TOKEN)
     are refused with 400 before they are tokenized."""
-    server = _Server(engine, tokenizer, max_prompt_chars)
+    metrics = ServerMetrics(engine)
+    server = _Server(engine, tokenizer, metrics, max_prompt_chars)
     auth_middleware = make_auth_middleware(
         api_key=api_key, cluster_token=cluster_token, identity=identity
     )
@@ -111,12 +101,7 @@ def make_app(
         [
             web.post("/v1/completions", server.completions),
             web.post("/v1/chat/completions", server.chat_completions),
-            web.get("/v1/models", server.models),
-            web.post("/v1/abort", server.abort),
-            web.get("/health", server.health),
-            web.get("/load", server.load),
-            web.get("/kv_info", server.kv_info),
-            web.get("/metrics", server.metrics),
+            *InstanceRoutes(engine, metrics).routes(),
         ]
     )
     app.add_routes(extra_routes)
@@ -179,78 +164,19 @@ def _parser_error_body(status: int, message: str) -> dict[str, Any]:
     return error_body(status, message, code="bad_request" if status < 500 else "internal_error")
 
 
-@dataclass(slots=True, kw_only=True)
-class _Run:
-    """One generation request in flight at the HTTP layer."""
-
-    meta: ResponseMeta
-    request: GenerateRequest
-    num_prompt_tokens: int
-    processor: OutputProcessor
-    arrival_s: float  # time.monotonic() at arrival
-    first_token_s: float | None = None  # first output token seen (monotonic)
-    last_output: RequestOutput | None = None  # latest engine delta (breakdown, kv params)
-    num_chunks_sent: int = 0
-    is_refused: bool = False  # the engine refused it: never accepted, so nothing to abort
-    # Every token's logprobs so far (empty unless the request asked); a chunk carries those
-    # from num_logprobs_sent on, so a token whose text is held back rides the next chunk.
-    logprob_entries: list[LogprobEntry] = field(default_factory=list)
-    num_logprobs_sent: int = 0
-
-    def process(self, output: RequestOutput) -> TextDelta:
-        if self.first_token_s is None and output.new_token_ids:
-            self.first_token_s = time.monotonic()
-        self.last_output = output
-        step = self.processor.process(output)
-        self.logprob_entries.extend(step.logprobs or ())
-        return step
-
-    def logprobs(self, start: int = 0) -> dict[str, Any] | None:
-        """The choice's `logprobs` over entries from `start`; None when it did not ask."""
-        if self.request.sampling.logprobs is None:
-            return None
-        entries = self.logprob_entries[start:]
-        return chat_logprobs(entries) if self.request.is_chat else completion_logprobs(entries)
-
-    @property
-    def is_engine_finished(self) -> bool:
-        return self.last_output is not None and self.last_output.is_finished
-
-    def usage(self) -> dict[str, int]:
-        return usage_dict(self.num_prompt_tokens, self.processor.num_output_tokens)
-
-    def final_extra(self) -> dict[str, Any]:
-        """Our additions to the body / final chunk: returned kv params and the TTFT breakdown."""
-        last = self.last_output
-        extra: dict[str, Any] = {"disagg": {"breakdown": last.breakdown.to_dict() if last else {}}}
-        if last is not None and last.is_finished and last.kv_transfer_params is not None:
-            extra["kv_transfer_params"] = last.kv_transfer_params
-        return extra
-
-    def chunk(self, step: TextDelta) -> dict[str, Any] | None:
-        """The SSE chunk for one step, or None when it carries nothing."""
-        if not step.text and step.finish_reason is None:
-            return None
-        extra = self.final_extra() if step.finish_reason is not None else {}
-        self.num_chunks_sent += 1
-        logprobs = self.logprobs(self.num_logprobs_sent)
-        self.num_logprobs_sent = len(self.logprob_entries)
-        if not self.request.is_chat:
-            return completion_chunk(self.meta, step.text, step.finish_reason, extra, logprobs)
-        delta = {"content": step.text} if step.text else {}
-        if self.num_chunks_sent == 1:
-            delta = {"role": "assistant", "content": step.text}
-        return chat_chunk(self.meta, delta, step.finish_reason, extra, logprobs)
-
-
 class _Server:
     """Route handlers over one engine and one tokenizer."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, max_prompt_chars: int) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        metrics: ServerMetrics,
+        max_prompt_chars: int,
+    ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
-        self._metrics = ServerMetrics(engine)
-        self._created = int(time.time())
+        self._metrics = metrics
         self._max_prompt_chars = max_prompt_chars  # 0 = derived from the engine's context
 
     @property
@@ -286,7 +212,7 @@ class _Server:
         max_tokens = resolve_max_tokens(req, len(prompt_ids), self._engine.max_model_len)
         sampling = make_sampling_params(req, max_tokens)
         meta = ResponseMeta(_request_id(request), self._engine.model_name, int(time.time()))
-        run = _Run(
+        run = Generation(
             meta=meta,
             request=req,
             num_prompt_tokens=len(prompt_ids),
@@ -338,16 +264,13 @@ class _Server:
             raise APIError(400, "prompt is empty after tokenization", code="invalid_value")
         return ids
 
-    async def _complete(self, run: _Run, submit: Submit) -> web.Response:
+    async def _complete(self, run: Generation, submit: Submit) -> web.Response:
         await self._drive(run, submit, _ignore)
-        build = chat_body if run.request.is_chat else completion_body
-        finish_reason = run.processor.finish_reason
-        assert finish_reason is not None, f"{run.meta.request_id}: drive returned unfinished"
-        text, usage = run.processor.text, run.usage()
-        body = build(run.meta, text, finish_reason, usage, run.final_extra(), run.logprobs())
-        return web.json_response(body, headers={"X-Request-Id": run.meta.request_id})
+        return web.json_response(run.body(), headers={"X-Request-Id": run.meta.request_id})
 
-    async def _stream(self, request: web.Request, run: _Run, submit: Submit) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, run: Generation, submit: Submit
+    ) -> web.StreamResponse:
         # Headers go out with the first engine output, so a refusal can still be a plain 4xx/503.
         response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": run.meta.request_id})
 
@@ -364,7 +287,7 @@ class _Server:
         return response
 
     async def _stream_body(
-        self, response: web.StreamResponse, run: _Run, submit: Submit, emit: Emit
+        self, response: web.StreamResponse, run: Generation, submit: Submit, emit: Emit
     ) -> None:
         try:
             await self._drive(run, submit, emit)
@@ -374,12 +297,12 @@ class _Server:
             await response.write(sse_event(exc.body()))
         else:
             if run.request.include_usage:
-                object_name = "chat.completion.chunk" if run.request.is_chat else "text_completion"
-                await response.write(sse_event(usage_chunk(run.meta, object_name, run.usage())))
+                chunk = usage_chunk(run.meta, run.request.is_chat, run.usage())
+                await response.write(sse_event(chunk))
         await response.write(sse_event("[DONE]"))
         await response.write_eof()
 
-    async def _drive(self, run: _Run, submit: Submit, emit: Emit) -> None:
+    async def _drive(self, run: Generation, submit: Submit, emit: Emit) -> None:
         """Feed engine outputs through the processor to `emit` until the request finishes.
 
         Raises APIError for refusals and failures. On every exit except a finish the engine
@@ -388,8 +311,8 @@ class _Server:
         outcome = "abort"  # what metrics record if we leave without a finish reason
         outputs: AsyncIterator[RequestOutput] | None = None
         try:
-            outputs = _submit(run, submit)
-            while (output := await _next_output(run, outputs)) is not None:
+            outputs = run.submit(submit)
+            while (output := await run.next_output(outputs)) is not None:
                 step = run.process(output)
                 if step.finish_reason == "error":
                     raise APIError(500, step.error or "request failed", code="request_failed")
@@ -404,7 +327,7 @@ class _Server:
             await self._end(run, outputs, outcome)
 
     async def _end(
-        self, run: _Run, outputs: AsyncIterator[RequestOutput] | None, outcome: str
+        self, run: Generation, outputs: AsyncIterator[RequestOutput] | None, outcome: str
     ) -> None:
         try:
             if not (run.is_engine_finished or run.is_refused or outputs is None):
@@ -427,89 +350,9 @@ class _Server:
                 breakdown=last.breakdown if last is not None else None,
             )
 
-    # ---- instance endpoints -----------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self._engine.model_name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "disagg",
-            "max_model_len": self._engine.max_model_len,
-            "dtype": self._engine.dtype,  # what the engine computes in
-        }
-        return web.json_response({"object": "list", "data": [card]})
-
-    async def abort(self, request: web.Request) -> web.Response:
-        """Internal: the router aborts a request whose client left. Unknown ids are fine.
-        With `"fence": true` an id the engine does not hold is refused from now on, and the
-        answer's `fenced` says so: the router may then release the KV it names."""
-        body = parse_json_body(await request.read())
-        request_id, fence = body.get("request_id"), body.get("fence", False)
-        if not isinstance(request_id, str) or not request_id:
-            raise APIError(400, "request_id must be a non-empty string", param="request_id")
-        if not isinstance(fence, bool):
-            raise APIError(400, "fence must be a boolean", param="fence")
-        is_fenced = False
-        if fence:
-            is_fenced = not await self._engine.fence(request_id)
-        else:
-            await self._engine.abort(request_id)
-        return web.json_response({"request_id": request_id, "aborted": True, "fenced": is_fenced})
-
-    async def health(self, request: web.Request) -> web.Response:
-        is_healthy = self._engine.is_healthy()
-        body = {"status": "ok" if is_healthy else "engine dead"}
-        return web.json_response(body, status=200 if is_healthy else 503)
-
-    async def load(self, request: web.Request) -> web.Response:
-        return web.json_response(self._engine.load())
-
-    async def kv_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self._engine.kv_info())
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
 
 def _request_id(request: web.Request) -> str:
     return request.headers.get("X-Request-Id", "").strip() or f"cmpl-{uuid.uuid4().hex}"
-
-
-def _submit(run: _Run, submit: Submit) -> AsyncIterator[RequestOutput]:
-    try:
-        return submit()
-    except Exception as exc:
-        raise _engine_error(run, exc) from exc
-
-
-async def _next_output(run: _Run, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    """The next engine delta, None when the iterator ends; engine exceptions become APIError."""
-    try:
-        return await anext(outputs)
-    except StopAsyncIteration:
-        return None
-    except Exception as exc:
-        raise _engine_error(run, exc) from exc
-
-
-def _engine_error(run: _Run, exc: Exception) -> APIError:
-    # Per EngineClient: ValueError = the engine refused this request; overload = try later.
-    # A refused id may belong to another live request (duplicate id): it must not be aborted.
-    if isinstance(exc, EngineOverloadedError):
-        run.is_refused = True
-        return APIError(503, str(exc) or "engine overloaded", code="engine_overloaded")
-    if isinstance(exc, RequestFencedError):
-        run.is_refused = True
-        return APIError(409, str(exc), code="request_aborted", param="X-Request-Id")
-    if isinstance(exc, RequestIdInUseError):
-        run.is_refused = True
-        return APIError(409, str(exc), code="request_id_in_use", param="X-Request-Id")
-    if isinstance(exc, ValueError):
-        run.is_refused = True
-        return APIError(400, str(exc), code="request_refused")
-    logger.error("%s: engine failed", run.meta.request_id, exc_info=exc)
-    return APIError(500, f"engine error: {type(exc).__name__}", code="internal_error")
 
 
 async def _ignore(step: TextDelta) -> None:

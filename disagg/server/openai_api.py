@@ -1,16 +1,14 @@
-"""OpenAI API wire format, requests: parse and validate bodies (responses: openai_responses.py).
+"""OpenAI API wire format, requests: validate parsed bodies (responses: openai_responses.py).
 
-Owns the error shape and every 4xx decision that needs neither tokenizer nor engine (the app checks
-vocabulary and context length), the size bounds among them that keep one request's work small:
-prompt characters before tokenizing, the number and length of stop strings and stop ids. Must
-not touch the engine, the tokenizer or aiohttp: pure functions over JSON values, so the router
-can reuse them.
+Owns the error shape and every 4xx decision over a body's fields that needs neither tokenizer
+nor engine (the app checks vocabulary and context length), the bounds on stop strings and stop
+ids among them. The bytes are parsed by json_body.py and the prompt's size is bounded by
+prompt_limits.py. Must not touch the engine, the tokenizer or aiohttp: pure functions over JSON
+values, so the router can reuse them.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -22,32 +20,15 @@ __all__ = [
     "MAX_NUM_STOP",
     "MAX_NUM_STOP_TOKEN_IDS",
     "MAX_STOP_CHARS",
-    "PROMPT_CHARS_PER_TOKEN",
     "APIError",
     "GenerateRequest",
-    "body_byte_limit",
-    "check_body_size",
-    "check_prompt_size",
     "error_body",
     "make_sampling_params",
     "parse_chat_request",
     "parse_completion_request",
-    "parse_json_body",
-    "prompt_char_limit",
-    "prompt_chars",
-    "resolve_max_tokens",
     "status_code_name",
 ]
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Chat defaults to "the rest of the context"; capped so a model that never emits EOS cannot hold a
-# slot for the whole context on a small machine.
-MAX_DEFAULT_CHAT_TOKENS = 1024
-MAX_JSON_DEPTH = 64  # nesting levels a body may have (the top object is level 1)
-# A prompt is refused by its length in characters before it is tokenized (tokenizing 15 MB took
-# 17 s holding the GIL, and ~5 GB). A token is ~4 characters of English and rarely over 16
-# (whitespace runs, long symbol runs); over a whole prompt 16 is far past any real text.
-PROMPT_CHARS_PER_TOKEN = 16
 # Per-token work grows with these lists (stop strings are matched against every new piece of
 # text, stop ids against every sampled token). OpenAI takes 4 stop strings; vLLM sets no bound.
 MAX_NUM_STOP = 16
@@ -115,63 +96,6 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     kv_transfer_params: KVTransferParams | None = None
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Request bytes -> JSON object whose every string is valid Unicode, every number is finite
-    and whose nesting is at most MAX_JSON_DEPTH, so later code may encode, compare and recurse
-    freely. NaN/Infinity are refused, and so is an overflow like 1e309 (json makes it inf)."""
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError as exc:
-        raise _too_deep() from exc
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    _check_json_value(body, 1)
-    return body
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _check_json_value(value: Any, depth: int) -> None:
-    """One walk over a parsed body: depth, string encodability (keys too), finite numbers."""
-    if isinstance(value, str):
-        _check_json_str(value)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise APIError(400, f"numbers must be finite, got {value}", code="invalid_value")
-    elif isinstance(value, dict):
-        _check_json_depth(depth)
-        for key, item in value.items():
-            _check_json_str(key)
-            _check_json_value(item, depth + 1)
-    elif isinstance(value, list):
-        _check_json_depth(depth)
-        for item in value:
-            if type(item) is not int:  # the bulk of a token-id prompt: nothing to check
-                _check_json_value(item, depth + 1)
-
-
-def _check_json_str(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        message = "JSON body has a string that is not valid Unicode (a lone surrogate escape)"
-        raise APIError(400, message, code="invalid_value") from exc
-
-
-def _check_json_depth(depth: int) -> None:
-    if depth > MAX_JSON_DEPTH:
-        raise _too_deep()
-
-
-def _too_deep() -> APIError:
-    return APIError(
-        400, f"JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-    )
 
 
 def parse_completion_request(body: Mapping[str, Any]) -> GenerateRequest:
@@ -372,98 +296,6 @@ def _flatten_content(content: object) -> str:
             raise _bad("a text content part needs a string 'text'", "messages")
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-def resolve_max_tokens(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The request's max_tokens, or the endpoint default clamped to the context left.
-    APIError 400 when the prompt plus an explicit max_tokens does not fit."""
-    room = max_model_len - num_prompt_tokens
-    if room <= 0:
-        raise APIError(
-            400,
-            f"prompt has {num_prompt_tokens} tokens; the context is {max_model_len} tokens",
-            code="context_length_exceeded",
-            param="prompt",
-        )
-    if request.max_tokens is None:
-        cap = MAX_DEFAULT_CHAT_TOKENS if request.is_chat else DEFAULT_COMPLETION_MAX_TOKENS
-        return min(cap, room)
-    if request.max_tokens > room:
-        raise APIError(
-            400,
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
-            f"the context of {max_model_len} tokens",
-            code="context_length_exceeded",
-            param="max_tokens",
-        )
-    return request.max_tokens
-
-
-def prompt_char_limit(max_model_len: int) -> int:
-    """The default bound on a prompt's characters for a context of `max_model_len` tokens."""
-    return max_model_len * PROMPT_CHARS_PER_TOKEN
-
-
-# JSON spends at most 12 bytes on one character (an astral character as two \\u escapes),
-# and a message's 16-character charge covers its braces and role: a body that passes
-# check_prompt_size is under this many bytes, plus its other fields' share.
-_BODY_BYTES_PER_PROMPT_CHAR = 12
-_BODY_BYTES_BESIDE_PROMPT = 1024 * 1024
-
-
-def body_byte_limit(max_prompt_chars: int) -> int:
-    """The largest body whose prompt can pass a `max_prompt_chars` bound: anything larger is
-    refused unparsed (parsing 15 MB of JSON holds the GIL for tens of ms, stalling streams)."""
-    return max_prompt_chars * _BODY_BYTES_PER_PROMPT_CHAR + _BODY_BYTES_BESIDE_PROMPT
-
-
-def check_body_size(num_bytes: int, max_prompt_chars: int | None, path: str) -> None:
-    """APIError 400 when a body of `num_bytes` cannot hold a prompt within the bound: the
-    answer the character check would give, named for the endpoint's prompt field."""
-    if max_prompt_chars is not None and num_bytes > (limit := body_byte_limit(max_prompt_chars)):
-        message = (
-            f"request body is {num_bytes} bytes; a prompt of at most {max_prompt_chars} "
-            f"characters fits in {limit}"
-        )
-        param = "messages" if path.endswith("/chat/completions") else "prompt"
-        raise _context_exceeded(message, param)
-
-
-def check_prompt_size(
-    request: GenerateRequest, max_prompt_chars: int | None, max_model_len: int | None = None
-) -> None:
-    """Refuse a prompt that cannot be worth tokenizing, before it is: text or chat messages
-    over `max_prompt_chars` characters (None: no bound), token ids that leave no room in
-    `max_model_len` (None: unknown, as on the router). APIError 400 naming the field."""
-    if request.prompt_token_ids is not None:
-        num_tokens = len(request.prompt_token_ids)
-        if max_model_len is not None and num_tokens >= max_model_len:
-            message = f"prompt has {num_tokens} tokens; the context is {max_model_len} tokens"
-            raise _context_exceeded(message, "prompt")
-        return
-    num_chars = prompt_chars(request)
-    if max_prompt_chars is not None and num_chars > max_prompt_chars:
-        param = "prompt" if request.messages is None else "messages"
-        message = (
-            f"{param} has {num_chars} characters; this server tokenizes at most "
-            f"{max_prompt_chars} (about {PROMPT_CHARS_PER_TOKEN} per token of context)"
-        )
-        raise _context_exceeded(message, param)
-
-
-def prompt_chars(request: GenerateRequest) -> int:
-    """A text or chat prompt's size in characters (0 for token ids): what tokenizing costs."""
-    if request.messages is not None:
-        # A message costs at least a token (its role marker): 500k empty ones render to 14 MB.
-        return sum(
-            len(m["content"]) + len(m.get("name", "")) + PROMPT_CHARS_PER_TOKEN
-            for m in request.messages
-        )
-    return len(request.prompt or "")
-
-
-def _context_exceeded(message: str, param: str) -> APIError:
-    return APIError(400, message, code="context_length_exceeded", param=param)
 
 
 def make_sampling_params(request: GenerateRequest, max_tokens: int) -> SamplingParams:

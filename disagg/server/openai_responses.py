@@ -14,12 +14,10 @@ from typing import Any
 __all__ = [
     "LogprobEntry",
     "ResponseMeta",
-    "chat_body",
-    "chat_chunk",
     "chat_logprobs",
-    "completion_body",
-    "completion_chunk",
     "completion_logprobs",
+    "response_body",
+    "response_chunk",
     "sse_event",
     "usage_chunk",
     "usage_dict",
@@ -87,60 +85,48 @@ def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, 
     }
 
 
-def completion_body(
+def response_body(
     meta: ResponseMeta,
+    is_chat: bool,
     text: str,
     finish_reason: str,
     usage: dict[str, int],
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_head(meta, "text_completion"), "choices": [choice], "usage": usage, **extra}
+    """A whole answer: chat's assistant `message`, or completions' `text`."""
+    content = {"message": {"role": "assistant", "content": text}} if is_chat else {"text": text}
+    object_name = "chat.completion" if is_chat else "text_completion"
+    choice = _choice(content, finish_reason, logprobs)
+    return {**_head(meta, object_name), "choices": [choice], "usage": usage, **extra}
 
 
-def chat_body(
+def response_chunk(
     meta: ResponseMeta,
-    text: str,
-    finish_reason: str,
-    usage: dict[str, int],
-    extra: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-    return {**_head(meta, "chat.completion"), "choices": [choice], "usage": usage, **extra}
-
-
-def completion_chunk(
-    meta: ResponseMeta,
-    text: str,
+    is_chat: bool,
+    content: dict[str, Any],
     finish_reason: str | None,
     extra: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_head(meta, "text_completion"), "choices": [choice], **extra}
+    """One stream chunk; `content` is chat's {"delta": {...}} or completions' {"text": ...}."""
+    choice = _choice(content, finish_reason, logprobs)
+    return {**_head(meta, _chunk_object(is_chat)), "choices": [choice], **extra}
 
 
-def chat_chunk(
-    meta: ResponseMeta,
-    delta: dict[str, str],
-    finish_reason: str | None,
-    extra: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_head(meta, "chat.completion.chunk"), "choices": [choice], **extra}
-
-
-def usage_chunk(meta: ResponseMeta, object_name: str, usage: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, is_chat: bool, usage: dict[str, int]) -> dict[str, Any]:
     """The last chunk when stream_options.include_usage is set: no choices, just usage."""
-    return {**_head(meta, object_name), "choices": [], "usage": usage}
+    return {**_head(meta, _chunk_object(is_chat)), "choices": [], "usage": usage}
+
+
+def _chunk_object(is_chat: bool) -> str:
+    return "chat.completion.chunk" if is_chat else "text_completion"
+
+
+def _choice(
+    content: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _head(meta: ResponseMeta, object_name: str) -> dict[str, Any]:

@@ -8,13 +8,10 @@ Messages (registrations, notifications) are delivered after a fixed delay. Pure 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.sim.cost import CostModel
 from disagg.sim.events import EventLoop
-
-if TYPE_CHECKING:
-    from disagg.sim.kv_worker import SimKVWorker
 
 __all__ = ["Fabric"]
 
@@ -24,14 +21,16 @@ class Fabric:
         self.loop = loop
         self.cost = cost
         self.block_size = block_size
-        self.workers: dict[str, SimKVWorker] = {}  # engine id -> its connector worker
+        # engine id -> its connector worker; typed by the contract, as the fabric only
+        # addresses them (a worker checks its peer's kind where it calls it)
+        self.workers: dict[str, KVConnectorWorker] = {}
         self._egress_free_s: dict[str, float] = {}
         self._ingress_free_s: dict[str, float] = {}
         self.num_transfers = 0
         self.num_bytes = 0
 
-    def add(self, worker: SimKVWorker) -> None:
-        self.workers[worker.engine_id] = worker
+    def add(self, engine_id: str, worker: KVConnectorWorker) -> None:
+        self.workers[engine_id] = worker
 
     def transfer(self, src: str, dst: str, num_blocks: int, post_s: float) -> float:
         """Queue `num_blocks` of KV from `src` to `dst`, posted at `post_s`; returns the time

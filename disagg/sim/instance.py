@@ -1,19 +1,19 @@
 """One simulated engine instance: the real `Scheduler` stepped on the virtual clock.
 
-`step` / `_end_step` are `Engine.step()` cut at the model call: schedule -> start KV work
-(inline setup is loop time) -> [model step takes cost-model time] -> poll KV -> update ->
-start the KV work update raised. Between steps with nothing to do the instance sleeps until a
-request or a KV report wakes it.
+`_step` / `_end_step` call the engine's own step halves (engine/step.py) around the model call:
+`begin` (schedule, start KV work: inline setup is loop time) -> [the model step takes cost-model
+time] -> `finish` (poll KV, update, start the KV work update raised). Between steps with nothing
+to do the instance sleeps until a request or a KV report wakes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from disagg.engine.kv_connector import KVConnectorMeta
 from disagg.engine.outputs import SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
+from disagg.engine.step import EngineStep
 from disagg.protocol import RequestOutput
 from disagg.sim.events import EventLoop
 from disagg.sim.kv_worker import SimKVWorker
@@ -41,14 +41,18 @@ class SimInstance:
         self.runner = runner
         self.worker = worker
         self.loop = loop
+        self.stepper = EngineStep(scheduler, worker)
         self.on_outputs: OutputSink = lambda instance, outputs: None
-        self.num_steps = 0
         self.busy_s = 0.0  # virtual time spent stepping (model + loop-blocking KV setup)
         self.stalled_s = 0.0  # of which: KV setup on the loop
         self._is_stepping = False  # a step is scheduled or running
         self._is_woken = False  # something arrived while stepping: step again after
         if worker is not None:
             worker.wake = self.wake
+
+    @property
+    def num_steps(self) -> int:
+        return self.stepper.num_steps
 
     def add_request(self, request: Request) -> None:
         request.arrival_s = self.loop.now_s
@@ -64,8 +68,8 @@ class SimInstance:
 
     def _step(self) -> None:
         self._is_woken = False
-        sched = self.scheduler.schedule(self.loop.now_s)
-        stall_s = self._start_kv(sched.kv_meta)
+        sched = self.stepper.begin(self.loop.now_s)
+        stall_s = self._take_stall_s()
         duration_s = stall_s + self.runner.duration_s(sched)
         self.busy_s += duration_s
         self.stalled_s += stall_s
@@ -73,11 +77,8 @@ class SimInstance:
 
     def _end_step(self, sched: SchedulerOutput) -> None:
         runner_out = self.runner.execute(sched)
-        if self.worker is not None:
-            runner_out.kv = self.worker.get_finished()
-        self.num_steps += 1
-        outputs = self.scheduler.update(sched, runner_out, self.loop.now_s)
-        stall_s = self._start_kv(self.scheduler.take_kv_meta())
+        outputs = self.stepper.finish(sched, runner_out, self.loop.now_s)
+        stall_s = self._take_stall_s()
         self.busy_s += stall_s
         self.stalled_s += stall_s
         if outputs:
@@ -88,10 +89,6 @@ class SimInstance:
         else:
             self._is_stepping = False  # asleep until a request or a KV report arrives
 
-    def _start_kv(self, meta: object) -> float:
-        """Hand the step's KV work to the worker; returns the loop time it took."""
-        if self.worker is None or not isinstance(meta, KVConnectorMeta) or meta.is_empty:
-            return 0.0
-        self.worker.loop_busy_s = 0.0
-        self.worker.start_load(meta)
-        return self.worker.loop_busy_s
+    def _take_stall_s(self) -> float:
+        """The loop time the step half just run spent starting KV work (inline setup)."""
+        return 0.0 if self.worker is None else self.worker.take_loop_busy_s()

@@ -1,17 +1,18 @@
 """The simulated connector worker's common half: reports, loop time and wake-ups.
 
-Subclasses (pull_worker.py, push_worker.py) implement the real `KVConnectorWorker` contract, so
-the engine-side wiring in `SimInstance` is the same as `Engine.step`'s. Time is the fabric's
-virtual clock; work done "on the engine loop" is added to `loop_busy_s`, which the instance
-turns into step time (every running decode waits for it).
+Subclasses (pull_worker.py, push_worker.py) implement the real `KVConnectorWorker` contract
+(their `_start_load` is its `start_load`), so `SimInstance` drives them through the engine's own
+step halves (engine/step.py). Time is the fabric's virtual clock; work done "on the engine loop"
+is added to `loop_busy_s`, which the instance takes as step time (every running decode waits).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any
 
-from disagg.engine.kv_connector import KVConnectorWorker
+from disagg.engine.kv_connector import KVConnectorMeta, KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.sim.fabric import Fabric
 
@@ -24,9 +25,24 @@ class SimKVWorker(KVConnectorWorker):
         self.role = role  # "prefill" | "decode"
         self.fabric = fabric
         self.wake: Callable[[], None] = lambda: None  # set by the instance: step soon
-        self.loop_busy_s = 0.0  # engine-loop time spent in start_load since the instance reset it
+        self.loop_busy_s = 0.0  # engine-loop time spent so far in this start_load call
+        self._loop_busy_untaken_s = 0.0  # loop time of the calls since take_loop_busy_s
         self._report = KVConnectorOutput()
-        fabric.add(self)
+        fabric.add(engine_id, self)
+
+    def start_load(self, meta: KVConnectorMeta) -> None:
+        self.loop_busy_s = 0.0
+        self._start_load(meta)
+        self._loop_busy_untaken_s += self.loop_busy_s
+
+    @abc.abstractmethod
+    def _start_load(self, meta: KVConnectorMeta) -> None:
+        """`start_load`'s work; loop time it spends goes into `loop_busy_s`."""
+
+    def take_loop_busy_s(self) -> float:
+        """Loop time spent in `start_load` since the last call (the instance's stall)."""
+        busy_s, self._loop_busy_untaken_s = self._loop_busy_untaken_s, 0.0
+        return busy_s
 
     @property
     def now_s(self) -> float:

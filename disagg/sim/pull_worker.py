@@ -25,7 +25,7 @@ class SimPullWorker(SimKVWorker):
         self._leases: dict[str, tuple[int, ...]] = {}  # prefill side: request id -> blocks
         self._loads: set[str] = set()  # decode side: READs posted, not yet landed
 
-    def start_load(self, meta: KVConnectorMeta) -> None:
+    def _start_load(self, meta: KVConnectorMeta) -> None:
         for send in meta.sends:
             self._leases[send.request_id] = send.block_ids
         for receive in meta.receives:
@@ -58,6 +58,7 @@ class SimPullWorker(SimKVWorker):
         }
         self._loads.add(receive.request_id)
         prefill = self.fabric.workers[params.remote_engine_id]
+        assert isinstance(prefill, SimPullWorker), f"{params.remote_engine_id} does not pull"
         remote_id = params.remote_request_id or receive.request_id
         self.fabric.loop.at(done_s, lambda: self._landed(receive.request_id, stages))
         self.fabric.send_at(done_s, lambda: prefill.on_read_done(remote_id))

@@ -40,7 +40,7 @@ class SimPushWorker(SimKVWorker):
         self._writes: set[str] = set()  # request ids whose WRITE is in flight (P side)
         self._reservations: set[str] = set()  # decode side: request ids awaiting the write
 
-    def start_load(self, meta: KVConnectorMeta) -> None:
+    def _start_load(self, meta: KVConnectorMeta) -> None:
         for receive in meta.receives:
             self._register(receive)
         for send in meta.sends:

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from disagg.engine import checkpoint
-from disagg.engine.checkpoint import ModelSpec, load_weights, resolve_model
+from disagg.engine.checkpoint import load_weights, resolve_model
+from disagg.engine.model_spec import ModelSpec
 from tests.engine.clear_answers import CLEAR_ANSWERS
 
 torch.set_num_threads(1)

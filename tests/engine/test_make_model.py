@@ -15,8 +15,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from disagg.engine.checkpoint import ModelSpec, load_weights
+from disagg.engine.checkpoint import load_weights
 from disagg.engine.make_model import CHAT_TEMPLATE, SPECIAL_TOKENS, write_checkpoint
+from disagg.engine.model_spec import ModelSpec
 
 torch.set_num_threads(1)
 

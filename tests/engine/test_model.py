@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from disagg.engine.checkpoint import ModelSpec
 from disagg.engine.linear import packable, to_packed
 from disagg.engine.model import CausalLM
+from disagg.engine.model_spec import ModelSpec
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16])

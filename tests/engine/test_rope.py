@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from disagg.engine.checkpoint import ModelSpec
+from disagg.engine.model_spec import ModelSpec
 from disagg.engine.rope import cos_sin, inv_freq_and_scale, rope_tables, rotate
 
 torch.set_num_threads(1)

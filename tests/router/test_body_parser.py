@@ -15,7 +15,8 @@ import pytest
 
 from disagg.router.body_parser import INLINE_PARSE_BYTES
 from disagg.router.call import checked_body, make_body_parser
-from disagg.server.openai_api import APIError, body_byte_limit
+from disagg.server.openai_api import APIError
+from disagg.server.prompt_limits import body_byte_limit
 
 BIG = INLINE_PARSE_BYTES + 1
 

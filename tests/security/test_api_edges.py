@@ -21,7 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from disagg.config import RouterConfig
 from disagg.router.app import make_app as make_router_app
 from disagg.server.app import make_app as make_instance_app
-from disagg.server.openai_api import MAX_JSON_DEPTH, APIError, parse_json_body
+from disagg.server.json_body import MAX_JSON_DEPTH, parse_json_body
+from disagg.server.openai_api import APIError
 from disagg.server.tokenizer import Tokenizer
 from tests.router.fakes import FakeInstance, run_async, running
 from tests.server.fakes import FakeEngine, make_tokenizer_dir

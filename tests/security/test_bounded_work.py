@@ -34,12 +34,12 @@ from disagg.server.openai_api import (
     MAX_NUM_STOP,
     MAX_NUM_STOP_TOKEN_IDS,
     MAX_STOP_CHARS,
-    PROMPT_CHARS_PER_TOKEN,
     APIError,
     parse_chat_request,
     parse_completion_request,
 )
 from disagg.server.output_processor import OutputProcessor
+from disagg.server.prompt_limits import PROMPT_CHARS_PER_TOKEN
 from disagg.server.tokenizer import Tokenizer
 from tests.e2e.cluster import (
     Cluster,
