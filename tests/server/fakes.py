@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,6 @@ __all__ = [
     "ServerThread",
     "Submitted",
     "make_tokenizer_dir",
-    "wait_until",
 ]
 
 CHATML_TEMPLATE = (
@@ -235,13 +233,3 @@ class ServerThread:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll `predicate` until true or timeout (the server runs in another thread)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
