@@ -47,7 +47,6 @@ __all__ = [
     "run_all",
     "running_cluster",
     "stream",
-    "wait_until",
 ]
 
 HOST = "127.0.0.1"
@@ -548,12 +547,3 @@ def run_all(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """fn over items, all at once (one thread each): concurrent clients."""
     with ThreadPoolExecutor(max(1, len(items))) as pool:
         return list(pool.map(fn, items))
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = POOL_TIMEOUT_S) -> Any:
-    """Poll `condition` until it returns something true (returned); AssertionError at timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting until {what}"
-        time.sleep(0.02)
-    return value

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +20,6 @@ from tests.e2e.cluster import (
     complete,
     completion_body,
     prompt_ids,
-    running_cluster,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,12 +54,6 @@ CASES: list[tuple[str, str, str, bytes, int]] = [
     ("wrong-method", "GET", "/v1/completions", b"", 405),
     ("too-large", "POST", "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}', 413),
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-bad-inputs", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

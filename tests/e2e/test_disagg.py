@@ -31,10 +31,9 @@ from tests.e2e.cluster import (
     prompt_ids,
     read_chunks,
     run_all,
-    running_cluster,
     stream,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -71,12 +70,6 @@ def _pair_id(pair: tuple[str, str]) -> str:
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-disagg", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

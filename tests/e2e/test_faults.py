@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,10 +29,9 @@ from tests.e2e.cluster import (
     open_stream,
     prompt_ids,
     read_chunks,
-    running_cluster,
     stream,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +47,6 @@ LONG_PROMPT_TOKENS = 3000
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-faults", tiny_qwen3_dir) as started:
-        yield started
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,9 +28,8 @@ from tests.e2e.cluster import (
     complete,
     completion_body,
     prompt_ids,
-    running_cluster,
-    wait_until,
 )
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +54,6 @@ class Target:
     def instances(self) -> tuple[Proc, ...]:
         return (self.aggregated, self.push_prefill, self.push_decode, self.pull_prefill,
                 self.pull_decode, self.slow_decode)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "security", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

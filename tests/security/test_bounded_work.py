@@ -17,7 +17,6 @@ import json
 import resource
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,6 @@ from tests.e2e.cluster import (
     completion_body,
     open_stream,
     prompt_ids,
-    running_cluster,
 )
 from tests.router.fakes import FakeInstance, run_async, running
 from tests.security.test_api_edges import error_of, with_client
@@ -274,12 +272,6 @@ def test_tokenizing_a_long_prompt_lets_other_threads_run(tokenizer: Tokenizer) -
 
 def _limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "bounded-work", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")
