@@ -12,15 +12,8 @@ import json
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-)
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
 
 pytestmark = pytest.mark.slow
 

@@ -19,12 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_tiny
-from tests.e2e.cluster import (
-    Cluster,
+from tests.e2e.client import (
     OpenStream,
-    Proc,
-    Reference,
-    assert_pools_full,
     complete,
     completion_body,
     open_stream,
@@ -33,6 +29,7 @@ from tests.e2e.cluster import (
     run_all,
     stream,
 )
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

@@ -13,15 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-    run_all,
-)
+from tests.e2e.client import complete, completion_body, prompt_ids, run_all
+from tests.e2e.cluster import Cluster, Reference, assert_pools_full
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

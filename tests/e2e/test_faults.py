@@ -18,12 +18,8 @@ from typing import Any
 import pytest
 
 from disagg.router.call import kv_params, prefill_body, push_params
-from tests.e2e.cluster import (
+from tests.e2e.client import (
     Answer,
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
     complete,
     completion_body,
     open_stream,
@@ -31,6 +27,7 @@ from tests.e2e.cluster import (
     read_chunks,
     stream,
 )
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

@@ -12,15 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.cluster import (
-    HOST,
-    Answer,
-    Cluster,
-    Proc,
-    complete,
-    completion_body,
-    prompt_ids,
-)
+from tests.e2e.client import Answer, complete, completion_body, prompt_ids
+from tests.e2e.cluster import HOST, Cluster, Proc
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, complete, completion_body, prompt_ids
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster
 from tests.no_nixl import write_no_nixl_dir
 
 pytestmark = pytest.mark.slow

@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.e2e.cluster import (
-    Answer,
-    Cluster,
-    Reference,
-    complete,
-    completion_body,
-    prompt_ids,
-)
+from tests.e2e.client import Answer, complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Reference
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

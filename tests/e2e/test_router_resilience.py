@@ -13,15 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    assert_pools_full,
-    complete,
-    completion_body,
-    open_stream,
-    prompt_ids,
-)
+from tests.e2e.client import complete, completion_body, open_stream, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, assert_pools_full
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

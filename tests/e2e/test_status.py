@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import Cluster, complete, completion_body, prompt_ids
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 

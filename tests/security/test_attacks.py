@@ -3,7 +3,7 @@ test. One request must never kill an instance, no client may touch another clien
 no wrong token may be served with HTTP 200.
 
 Instances run over the TCP transport (tests/security/test_tcp_transport_auth.py covers its
-peer authentication); every child holds the cluster token tests.e2e.cluster.CLUSTER_TOKEN.
+peer authentication); every child holds the cluster token tests.e2e.client.CLUSTER_TOKEN.
 """
 
 from __future__ import annotations
@@ -19,16 +19,8 @@ import requests
 
 from disagg.router.call import push_params
 from disagg.security import auth
-from tests.e2e.cluster import (
-    CLUSTER_TOKEN,
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-)
+from tests.e2e.client import CLUSTER_TOKEN, complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

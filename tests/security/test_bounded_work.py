@@ -40,13 +40,8 @@ from disagg.server.openai_api import (
 )
 from disagg.server.output_processor import OutputProcessor
 from disagg.tokenizer import Tokenizer
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    completion_body,
-    open_stream,
-    prompt_ids,
-)
+from tests.e2e.client import completion_body, open_stream, prompt_ids
+from tests.e2e.cluster import Cluster, Proc
 from tests.router.fakes import FakeInstance, run_async, running
 from tests.security.test_api_edges import error_of, with_client
 from tests.server.fakes import FakeEngine, make_tokenizer_dir

@@ -16,7 +16,8 @@ import pytest
 import requests
 
 from disagg.config import KVTransferConfig, RouterConfig, ServerConfig
-from tests.e2e.cluster import assert_pools_full, completion_body, prompt_ids, running_cluster
+from tests.e2e.client import completion_body, prompt_ids
+from tests.e2e.cluster import assert_pools_full, running_cluster
 
 
 @pytest.fixture(scope="module")
