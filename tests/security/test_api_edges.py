@@ -71,47 +71,49 @@ BAD_BODIES = {
 # ---- parse_json_body --------------------------------------------------------------------------
 
 
+def _refusal(raw: bytes) -> APIError:
+    """The APIError parse_json_body raises for `raw` (it must raise one)."""
+    with pytest.raises(APIError) as info:
+        parse_json_body(raw)
+    return info.value
+
+
 @pytest.mark.parametrize("raw", SURROGATES.values(), ids=SURROGATES.keys())
 def test_parse_refuses_lone_surrogates(raw: bytes) -> None:
     """A lone surrogate escape (valid JSON, not encodable as UTF-8) anywhere, keys included."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
-    assert "surrogate" in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_value")
+    assert "surrogate" in error.message
 
 
 def test_parse_refuses_raw_surrogate_bytes() -> None:
     """A surrogate encoded straight into the bytes: json.loads decodes bytes with
     "surrogatepass", so it parses to a lone surrogate like the escape does."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(b'{"prompt": "\xed\xa0\x80"}')
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
+    error = _refusal(b'{"prompt": "\xed\xa0\x80"}')
+    assert (error.status, error.code) == (400, "invalid_value")
 
 
 @pytest.mark.parametrize("raw", TOO_DEEP.values(), ids=TOO_DEEP.keys())
 def test_parse_refuses_deep_nesting(raw: bytes) -> None:
     """100k-deep nesting (RecursionError inside json.loads) and one level past MAX_JSON_DEPTH."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_json")
-    assert str(MAX_JSON_DEPTH) in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_json")
+    assert str(MAX_JSON_DEPTH) in error.message
 
 
 @pytest.mark.parametrize("raw", OVERFLOWS.values(), ids=OVERFLOWS.keys())
 def test_parse_refuses_numbers_that_overflow_to_inf(raw: bytes) -> None:
     """1e309 / -1e309 (json.loads makes them +-inf) at the top level and nested."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
-    assert "finite" in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_value")
+    assert "finite" in error.message
 
 
 @pytest.mark.parametrize("raw", [b'{"t": NaN}', b'{"t": [Infinity]}', b'{"t": -Infinity}'])
 def test_parse_still_refuses_nan_and_infinity_constants(raw: bytes) -> None:
     """The NaN/Infinity literals json.loads accepts by default."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert info.value.status == 400
+    error = _refusal(raw)
+    assert error.status == 400
 
 
 def test_parse_accepts_normal_bodies() -> None:
