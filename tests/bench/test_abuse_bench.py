@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import BENCHMARKS_DIR
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when it runs as a script: it imports soak
-    spec = importlib.util.spec_from_file_location(
-        "abuse_bench", ROOT / "benchmarks" / "abuse_bench.py"
-    )
+    sys.path.insert(0, str(BENCHMARKS_DIR))  # as when it runs as a script: it imports soak
+    spec = importlib.util.spec_from_file_location("abuse_bench", BENCHMARKS_DIR / "abuse_bench.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("abuse_bench", module)  # dataclasses look their module up
