@@ -16,11 +16,11 @@ from disagg.kv.pull import PullScheduler
 from disagg.protocol import KVTransferParams, SamplingParams, TokenLogprobs
 from disagg.tokenizer import Tokenizer
 from tests.engine.test_equivalence import _hf_model, _prompts, assert_pool_full, make_engine
-from tests.engine.test_scheduler import drain
 from tests.fakes import (
     FakeConnector,
     FakeRunner,
     assert_no_leaks,
+    drain,
     make_request,
     make_scheduler,
 )

@@ -13,11 +13,11 @@ import pytest
 
 from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput
 from disagg.engine.request import RequestStatus
-from tests.engine.test_scheduler import drain
 from tests.fakes import (
     FakeConnector,
     FakeRunner,
     assert_no_leaks,
+    drain,
     make_request,
     make_scheduler,
     run_step,
