@@ -24,7 +24,7 @@ from disagg.server.app import make_app as make_instance_app
 from disagg.server.openai_api import MAX_JSON_DEPTH, APIError, parse_json_body
 from disagg.tokenizer import Tokenizer
 from tests.router.fakes import FakeInstance, run_async, running
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 DEEP = 100_000  # far past the recursion limit of json.loads
 
@@ -161,7 +161,7 @@ async def error_of(resp: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
 def test_instance_answers_every_bad_body_with_400_then_serves(tokenizer: Tokenizer) -> None:
     """Lone surrogates, 100k/65-deep nesting and 1e309 on both endpoints: 400, OpenAI error
     shape with its four fields; the engine never sees them and a normal request then succeeds."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
 
     async def test(client: TestClient) -> None:
         for name, raw in BAD_BODIES.items():
@@ -313,7 +313,7 @@ async def post_with_authorization(client: TestClient, authorization: bytes) -> t
 def test_non_ascii_authorization_is_401_not_500(tokenizer: Tokenizer, authorization: bytes) -> None:
     """Regression: hmac.compare_digest raised TypeError on a non-ASCII key (HTTP 500 with a
     traceback) on the instance and on the router. Now a wrong key like any other: 401."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
     apps = {
         "instance": lambda: make_instance_app(engine, tokenizer, api_key=API_KEY),
         "router": lambda: make_router_app(
@@ -360,7 +360,7 @@ def test_error_code_is_a_string_on_the_instance_and_through_the_router(
 ) -> None:
     """Regression: through the router an unknown model said `"code": "model_not_found"` (the
     instance's answer, relayed) but a malformed body `"code": 400` (the router's own)."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
     calls = {  # name -> (method, path, body, status)
         "unknown model": ("POST", "/v1/completions", b'{"model": "nope", "prompt": "x"}', 404),
         "malformed": ("POST", "/v1/chat/completions", b'{"prompt": ', 400),

@@ -44,7 +44,7 @@ from tests.e2e.client import completion_body, open_stream, prompt_ids
 from tests.e2e.cluster import Cluster, Proc
 from tests.router.fakes import FakeInstance, run_async, running
 from tests.security.test_api_edges import error_of, with_client
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 ADDRESS_SPACE_BYTES = int(3.5 * 2**30)  # the limit the instance died under
 BIG_PROMPT_CHARS = 15_000_000
@@ -129,8 +129,8 @@ def test_stop_matching_scans_only_the_new_tail(tokenizer: Tokenizer) -> None:
 # ---- A: prompt size checked before tokenizing, on the instance --------------------------------
 
 
-def instance_app(tokenizer: Tokenizer, **kwargs: Any) -> tuple[FakeEngine, Any]:
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
+def instance_app(tokenizer: Tokenizer, **kwargs: Any) -> tuple[ScriptedEngine, Any]:
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
     if isinstance(tokenizer, CountingTokenizer):
         tokenizer.num_chars = 0  # count only what the app tokenizes
     return engine, lambda: make_instance_app(engine, tokenizer, **kwargs)

@@ -25,7 +25,7 @@ from disagg.server.app import make_app as make_instance_app
 from disagg.server.app import start_server as start_instance
 from disagg.tokenizer import Tokenizer
 from tests.router.fakes import run_async
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 0.5
@@ -50,7 +50,7 @@ def serve(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> Serve:
     async def running() -> AsyncIterator[tuple[str, int]]:
         if request.param == "instance":
             app = make_instance_app(
-                FakeEngine(output_ids=[5, 6]), tokenizer, body_timeout_s=BODY_TIMEOUT_S
+                ScriptedEngine(output_ids=[5, 6]), tokenizer, body_timeout_s=BODY_TIMEOUT_S
             )
             runner, port = await start_instance(
                 app, "127.0.0.1", 0, header_timeout_s=HEADER_TIMEOUT_S

@@ -30,7 +30,7 @@ from disagg.server.app import start_server
 
 __all__ = [
     "CHATML_TEMPLATE",
-    "FakeEngine",
+    "ScriptedEngine",
     "ServerThread",
     "Submitted",
     "make_tokenizer_dir",
@@ -95,7 +95,7 @@ class Submitted:
 
 
 @dataclass
-class FakeEngine:
+class ScriptedEngine:
     """Yields `output_ids` one token per delta (EOS-like STOP after the script, LENGTH at
     max_tokens). Knobs make it refuse, overload, fail with ERROR, or return kv params."""
 

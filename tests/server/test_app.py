@@ -1,4 +1,4 @@
-"""The live aiohttp app over a FakeEngine: OpenAI client round-trips, streaming, stop strings,
+"""The live aiohttp app over a ScriptedEngine: OpenAI client round-trips, streaming, stop strings,
 kv_transfer_params, errors, disconnects and the instance endpoints."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from disagg.server.engine_client import EngineOverloadedError
 from disagg.tokenizer import Tokenizer
 from tests.helpers import wait_until
 from tests.server.conftest import CLUSTER_TOKEN, OUTPUT_TEXT
-from tests.server.fakes import FakeEngine, ServerThread
+from tests.server.fakes import ScriptedEngine, ServerThread
 
-Serve = Callable[..., tuple[FakeEngine, ServerThread]]
+Serve = Callable[..., tuple[ScriptedEngine, ServerThread]]
 
 
 def _client(server: ServerThread) -> openai.OpenAI:

@@ -20,7 +20,7 @@ from disagg.config import EngineConfig
 from disagg.security import auth
 from disagg.server import main
 from tests.helpers import free_port, wait_until
-from tests.server.fakes import FakeEngine
+from tests.server.fakes import ScriptedEngine
 
 _TOKEN = "serve-tests-cluster-token"
 
@@ -57,8 +57,8 @@ def test_bad_flags() -> None:
     assert main.run(_parse("--block-size", "3")) == 2  # config validation -> exit 2
 
 
-class _FakeAsyncEngine(FakeEngine):
-    """AsyncEngine's lifecycle over FakeEngine."""
+class _FakeAsyncEngine(ScriptedEngine):
+    """AsyncEngine's lifecycle over ScriptedEngine."""
 
     instances: list[_FakeAsyncEngine] = []
 

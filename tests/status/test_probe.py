@@ -25,7 +25,7 @@ from disagg import cli
 from disagg.protocol import TTFTBreakdown
 from disagg.status.answer import Answer
 from disagg.status.probe import fetch, take_snapshot
-from tests.status.fakes import FakeEngine, instance_answers, make_load, router_answers
+from tests.status.fakes import FixedLoadEngine, instance_answers, make_load, router_answers
 
 DELAY_PATH = "/slow"
 
@@ -69,7 +69,7 @@ def router_url() -> Iterator[str]:
     """A router listing one answering decode instance and one that is down."""
     kv_info = {"role": "decode", "connector": "push", "transport": "tcp",
                "stats": {"transfers": 4, "transfers_failed": 0}}  # fmt: skip
-    engine = FakeEngine(make_load(running=1, free=10, total=16), kv_info)
+    engine = FixedLoadEngine(make_load(running=1, free=10, total=16), kv_info)
     breakdown = TTFTBreakdown(transfer_s=0.05, first_step_s=0.01)
     dead = closed_port_url()
     with canned_server(instance_answers(engine, [breakdown], ["length"])) as decode:
