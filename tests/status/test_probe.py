@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import select
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from disagg import cli
 from disagg.protocol import TTFTBreakdown
 from disagg.status.answer import Answer
 from disagg.status.probe import fetch, take_snapshot
+from tests.helpers import free_port
 from tests.status.fakes import FixedLoadEngine, instance_answers, make_load, router_answers
 
 DELAY_PATH = "/slow"
@@ -59,9 +59,7 @@ def canned_server(answers: Mapping[str, Answer]) -> Iterator[str]:
 
 def closed_port_url() -> str:
     """A URL nothing listens on (the port was free a moment ago)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture
