@@ -1,4 +1,5 @@
-"""Session fixtures shared by every test package: small real checkpoints and thread pinning.
+"""Fixtures shared by every test package: small real checkpoints, thread pinning, and the
+module-scoped `cluster` of real child processes the end-to-end and security modules use.
 
 Several processes share two cores in the end-to-end tests, so torch in the test process uses
 one thread, and every server the tests start is told to do the same.
@@ -7,9 +8,12 @@ one thread, and every server the tests start is told to do the same.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.cluster import Cluster, running_cluster
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -67,3 +71,18 @@ def default_model_dir() -> Path:
     from disagg.engine.checkpoint import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
+    """The child processes of one test module (tiny Qwen3), each module its own: its logs in a
+    folder named for the module, every child stopped after the module's last test. What runs
+    in it (roles, connectors, flags) is each module's own fixture's business."""
+    with running_cluster(request, _module_label(request.module.__name__), tiny_qwen3_dir) as c:
+        yield c
+
+
+def _module_label(module_name: str) -> str:
+    """A module's log folder name: tests.e2e.test_router_resilience -> e2e-router-resilience."""
+    package, module = module_name.split(".")[-2:]
+    return f"{package}-{module.removeprefix('test_').replace('_', '-')}"

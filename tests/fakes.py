@@ -11,7 +11,7 @@ from disagg.engine.kv_connector import KVConnectorScheduler
 from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
-from disagg.protocol import KVTransferParams, SamplingParams
+from disagg.protocol import KVTransferParams, RequestOutput, SamplingParams
 
 _ids = itertools.count()
 
@@ -156,6 +156,21 @@ def run_step(
         connector.start_load(out.kv_meta)
         runner_out.kv = connector.get_finished()
     return out, sched.update(out, runner_out, now)
+
+
+def drain(
+    sched: Scheduler,
+    runner: FakeRunner,
+    connector: FakeConnector | None = None,
+    max_steps: int = 200,
+) -> list[RequestOutput]:
+    """Step until nothing is unfinished or pending a transfer; every output on the way."""
+    outputs = []
+    for _ in range(max_steps):
+        if not (sched.has_unfinished or sched.has_kv_pending):
+            return outputs
+        outputs.extend(run_step(sched, runner, connector)[1])
+    raise AssertionError("scheduler did not drain")
 
 
 def assert_no_leaks(sched: Scheduler) -> None:

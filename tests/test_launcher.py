@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from disagg.cluster.config import (
 from disagg.cluster.launcher import Cluster
 from disagg.cluster.processes import free_ports
 from disagg.engine.make_model import write_checkpoint
+from tests.helpers import wait_until
 
 # Small pool and context: the instances start in seconds and fit beside other test runs.
 SERVE_ARGS = ("--num-blocks", "64", "--max-model-len", "512")
@@ -55,15 +55,6 @@ def _is_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait_for(predicate: object, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _num_finished(session: requests.Session, instance_url: str) -> float:
@@ -168,8 +159,8 @@ def test_up_aggregated_serves_then_stops_on_sigterm(tiny_model: Path, tmp_path: 
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # (1) ready line, then one completion through the router.
-        is_ready = _wait_for(lambda: "disagg up ready on" in out_path.read_text(), 120)
-        assert is_ready, out_path.read_text()
+        wait_until(lambda: "disagg up ready on" in out_path.read_text(),
+                   f"disagg up prints its ready line in {out_path.name}", 120)  # fmt: skip
         output = out_path.read_text()
         assert f"ready on http://127.0.0.1:{port} (mode aggregated: 1 instance(s)" in output
         session, url = _session(), f"http://127.0.0.1:{port}"

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from disagg.engine import cpu_kernels
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PIP_TIMEOUT_S = 600
@@ -72,12 +71,6 @@ def venv_run(venv: Path, *argv: str, timeout: float = 120) -> subprocess.Complet
                           cwd=venv)  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_fresh_install_serves_push_over_tcp_then_nixl_with_the_extra(
     fresh_venv: Path, wheel: Path
 ) -> None:
@@ -116,12 +109,13 @@ def test_a_fresh_install_serves_push_over_tcp_then_nixl_with_the_extra(
 
 def wait_ready(up: subprocess.Popen[bytes], log: Path) -> None:
     """Until `disagg up` prints that it is ready (it does once every instance answers)."""
-    deadline = time.monotonic() + UP_TIMEOUT_S
-    while time.monotonic() < deadline and up.poll() is None:
-        if "disagg up ready on" in log.read_text(errors="replace"):
-            return
-        time.sleep(0.5)
-    raise AssertionError("disagg up never became ready:\n" + log.read_text(errors="replace"))
+    wait_until(lambda: _is_ready(up, log), f"disagg up is ready (log: {log.name})", UP_TIMEOUT_S)
+
+
+def _is_ready(up: subprocess.Popen[bytes], log: Path) -> bool:
+    text = log.read_text(errors="replace")
+    assert up.poll() is None, "disagg up exited before it was ready:\n" + text
+    return "disagg up ready on" in text
 
 
 def post(url: str, body: dict[str, object]) -> dict[str, object]:

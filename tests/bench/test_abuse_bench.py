@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import BENCHMARKS_DIR
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when abuse_bench.py runs as a script
+    sys.path.insert(0, str(BENCHMARKS_DIR))  # as when abuse_bench.py runs as a script
     importlib.import_module("abuse_bench")  # the script and all it imports still load
     return importlib.import_module("abuse_stats")
 

@@ -6,26 +6,18 @@ cover every phase, and account for every requested serving token (it asserts tha
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_bench_script
 
 
 def test_engine_bench_writes_every_row(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "engine_bench.json"
     args = [
         "--model", str(tiny_qwen3_dir), "--threads", "1", "--new-tokens", "4", "--prompt-len", "8",
-        "--repeats", "1", "--prefill-lens", "32", "--serving-requests", "5", "--out", str(out),
+        "--repeats", "1", "--prefill-lens", "32", "--serving-requests", "5",
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "engine_bench.py"), *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = run_bench_script("engine_bench.py", args, out, timeout_s=300)
     phases = [(row["phase"], row["size"]) for row in result["rows"]]
     assert phases == [("decode", 1), ("decode", 16), ("prefill", 32), ("serving", 16)]
     for row in result["rows"]:
@@ -33,4 +25,3 @@ def test_engine_bench_writes_every_row(tiny_qwen3_dir: Path, tmp_path: Path) -> 
         assert row["ratio"] == row["disagg_tok_s"] / row["hf_tok_s"]
     decode = [row for row in result["rows"] if row["phase"] == "decode"]
     assert all(row["gemm_ceiling_tok_s"] > 0 for row in decode)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result

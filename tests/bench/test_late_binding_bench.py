@@ -8,14 +8,12 @@ answered, and the D that served it must be identified; the entry point through
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_bench_script
+
 MODES = ["push", "pull-background", "pull-inline"]
 
 
@@ -25,15 +23,9 @@ def test_late_binding_bench_measures_every_mode(tiny_qwen3_dir: Path, tmp_path: 
     args = [
         "--experiment", "late-binding", "--model", str(tiny_qwen3_dir), "--repeats", "1",
         "--prompt-len", "64", "--max-tokens", "4", "--num-new", "2", "--burst-size", "2",
-        "--burst-max-tokens", "64", "--burst-delay-s", "0.01", "--out", str(out),
+        "--burst-max-tokens", "64", "--burst-delay-s", "0.01",
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stall_bench.py"), *args],
-        capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
+    result = run_bench_script("stall_bench.py", args, out, timeout_s=150)
     assert [row["mode"] for row in result["results"]] == MODES
     assert result["config"]["num_decode"] == 2 and result["config"]["policy"] == "least_loaded"
     for row in result["results"]:

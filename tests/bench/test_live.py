@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from disagg.bench.runner import BenchConfig, run_benchmark
 from disagg.bench.workload import WorkloadConfig
-from tests.e2e.cluster import Proc, running_cluster
+from tests.e2e.cluster import Cluster, Proc
 
 
 @pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Proc]:
-    with running_cluster(request, "bench-live", tiny_qwen3_dir) as cluster:
-        proc = cluster.serve("aggregated")
-        cluster.wait_ready(proc)
-        yield proc
+def server(cluster: Cluster) -> Proc:
+    proc = cluster.serve("aggregated")
+    cluster.wait_ready(proc)
+    return proc
 
 
 @pytest.mark.parametrize("dataset", ["random", "prefix"])

@@ -7,14 +7,12 @@ loop-blocked observation per new request on the decode instance.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import run_bench_script
+
 MODES = ["pull-inline", "pull-background", "push", "aggregated"]
 
 
@@ -24,15 +22,9 @@ def test_stall_bench_measures_every_mode(tiny_qwen3_dir: Path, tmp_path: Path) -
     args = [
         "--model", str(tiny_qwen3_dir), "--repeats", "1", "--prompt-len", "64", "--num-new", "2",
         "--num-running", "2", "--gap-s", "0.2", "--baseline-s", "0.3",
-        "--steady-max-tokens", "3000", "--out", str(out),
+        "--steady-max-tokens", "3000",
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "stall_bench.py"), *args],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
+    result = run_bench_script("stall_bench.py", args, out, timeout_s=240)
     assert [row["mode"] for row in result["results"]] == MODES
     for run in result["runs"]:
         assert len(run["new_ttft_ms_each"]) == 2 and all(t > 0 for t in run["new_ttft_ms_each"])

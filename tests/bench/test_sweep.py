@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from disagg.bench.sweep import Cluster, SweepConfig, cluster_command
 from disagg.cli import main as cli_main
 from disagg.cluster.processes import free_port
+from tests.helpers import wait_until
 
 FAKE_UP = [sys.executable, str(Path(__file__).with_name("fake_up.py"))]
 
@@ -25,13 +25,8 @@ def _is_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _is_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
+def _wait_dead(pid: int) -> None:
+    wait_until(lambda: not _is_alive(pid), f"process {pid} is gone")
 
 
 def _cluster(tmp_path: Path, *flags: str, stop_timeout_s: float = 10.0) -> Cluster:
@@ -64,7 +59,7 @@ def test_cluster_healthy_then_sigterm_stops_it_and_its_child(tmp_path: Path) -> 
         child_pid = json.loads((tmp_path / "rec").read_text())["child_pid"]
         assert _is_alive(child_pid)
     assert cluster.proc is not None and cluster.proc.returncode == 0  # graceful
-    assert _wait_dead(child_pid)
+    _wait_dead(child_pid)
 
 
 def test_cluster_deaf_to_sigterm_is_killed_with_its_group(tmp_path: Path) -> None:
@@ -75,7 +70,7 @@ def test_cluster_deaf_to_sigterm_is_killed_with_its_group(tmp_path: Path) -> Non
         child_pid = json.loads((tmp_path / "rec").read_text())["child_pid"]
     finally:
         assert cluster.stop() == -9
-    assert _wait_dead(child_pid)
+    _wait_dead(child_pid)
 
 
 def test_cluster_never_healthy_times_out(tmp_path: Path) -> None:

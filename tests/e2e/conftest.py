@@ -1,5 +1,5 @@
 """Fixtures every end-to-end module shares: the aggregated baseline and the reference answers
-it gives. Each module defines its own module-scoped `cluster` (its own processes and logs)."""
+it gives, both in the module's own `cluster` (tests/conftest.py: its own processes and logs)."""
 
 from __future__ import annotations
 

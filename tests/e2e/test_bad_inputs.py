@@ -9,21 +9,11 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-    running_cluster,
-)
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +47,6 @@ CASES: list[tuple[str, str, str, bytes, int]] = [
     ("wrong-method", "GET", "/v1/completions", b"", 405),
     ("too-large", "POST", "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}', 413),
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-bad-inputs", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_tiny
-from tests.e2e.cluster import (
-    Cluster,
+from tests.e2e.client import (
     OpenStream,
-    Proc,
-    Reference,
-    assert_pools_full,
     complete,
     completion_body,
     open_stream,
     prompt_ids,
     read_chunks,
     run_all,
-    running_cluster,
     stream,
-    wait_until,
 )
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -71,12 +67,6 @@ def _pair_id(pair: tuple[str, str]) -> str:
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-disagg", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

@@ -9,34 +9,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-    run_all,
-    running_cluster,
-    wait_until,
-)
+from tests.e2e.client import complete, completion_body, prompt_ids, run_all
+from tests.e2e.cluster import Cluster, Reference, assert_pools_full
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
 SLOW_PREFILL_ARGS = ("--max-num-batched-tokens", "16")  # a long prompt spans many steps
 REGISTER_DELAY_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-failover", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

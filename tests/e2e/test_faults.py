@@ -13,28 +13,23 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from disagg.protocol import KVTransferParams
 from disagg.router.call import prefill_body, push_params
-from tests.e2e.cluster import (
+from tests.e2e.client import (
     Answer,
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
     complete,
     completion_body,
     open_stream,
     prompt_ids,
     read_chunks,
-    running_cluster,
     stream,
-    wait_until,
 )
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +45,6 @@ LONG_PROMPT_TOKENS = 3000
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-faults", tiny_qwen3_dir) as started:
-        yield started
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +120,7 @@ class TestPull:
     def test_failed_read_fails_request(self, pull: Faulty):
         """Policy fail: D's READ fails (fault) -> the client gets HTTP 500 naming the failure,
         streamed or not; D counts the failure; no block is held on P or D."""
-        before = pull.decode_fail.stats()["transfers_failed"]
-        answer = complete(pull.to_fail.url, _body(1), timeout_s=CLIENT_TIMEOUT_S)
-        streamed = stream(pull.to_fail.url, _body(2, stream=True), timeout_s=CLIENT_TIMEOUT_S)
-        _assert_failed(answer, "injected transfer failure")
-        assert streamed.status == 500 and "injected transfer failure" in str(streamed.error)
-        assert pull.decode_fail.stats()["transfers_failed"] == before + 2
-        assert_pools_full(pull.prefill, pull.decode_fail)
+        _assert_fault_fails_requests(pull, pull.decode_fail, 1, "injected transfer failure")
 
     def test_failed_read_recomputes(self, pull: Faulty, reference: Reference):
         """Policy recompute: D's READ fails -> D prefills locally: the aggregated output, no
@@ -218,13 +201,8 @@ class TestPush:
     def test_failed_write_fails_request(self, push: Faulty):
         """Policy fail: P's WRITE fails (fault) and P tells D (write_failed) -> the client gets
         HTTP 500 naming the failure, streamed or not; no block is held on P or D."""
-        before = push.prefill.stats()["transfers_failed"]
-        answer = complete(push.to_fail.url, _body(20), timeout_s=CLIENT_TIMEOUT_S)
-        streamed = stream(push.to_fail.url, _body(21, stream=True), timeout_s=CLIENT_TIMEOUT_S)
-        _assert_failed(answer, "could not write the KV: injected transfer failure")
-        assert streamed.status == 500 and "injected transfer failure" in str(streamed.error)
-        assert push.prefill.stats()["transfers_failed"] == before + 2
-        assert_pools_full(push.prefill, push.decode_fail)
+        message = "could not write the KV: injected transfer failure"
+        _assert_fault_fails_requests(push, push.prefill, 20, message)
 
     def test_failed_write_recomputes(self, push: Faulty, reference: Reference):
         """Policy recompute on D: P's WRITE fails, D gets write_failed and prefills locally:
@@ -358,6 +336,20 @@ def _push_legs(prefill: Proc, body: dict[str, Any]) -> tuple[dict[str, Any], dic
 def _assert_failed(answer: Answer, reason: str) -> None:
     assert answer.status >= 400, answer.body
     assert reason in answer.error_message, answer.error_message
+
+
+def _assert_fault_fails_requests(faulty: Faulty, counter: Proc, seed: int, reason: str) -> None:
+    """Policy fail: a plain and a streamed request through `faulty.to_fail` (bodies `seed` and
+    `seed + 1`) fail naming `reason`, `counter` counts both failed transfers, and no block is
+    held on P or D."""
+    before = counter.stats()["transfers_failed"]
+    url = faulty.to_fail.url
+    answer = complete(url, _body(seed), timeout_s=CLIENT_TIMEOUT_S)
+    streamed = stream(url, _body(seed + 1, stream=True), timeout_s=CLIENT_TIMEOUT_S)
+    _assert_failed(answer, reason)
+    assert streamed.status == 500 and "injected transfer failure" in str(streamed.error)
+    assert counter.stats()["transfers_failed"] == before + 2
+    assert_pools_full(faulty.prefill, faulty.decode_fail)
 
 
 def _is_prefilling(prefill: Proc) -> bool:

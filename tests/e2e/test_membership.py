@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import (
-    HOST,
-    Answer,
-    Cluster,
-    Proc,
-    complete,
-    completion_body,
-    prompt_ids,
-    running_cluster,
-)
+from tests.e2e.client import Answer, complete, completion_body, prompt_ids
+from tests.e2e.cluster import HOST, Cluster, Proc
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +23,13 @@ TIMEOUT_S = 3 * HEARTBEAT_S  # the router drops an instance after 3 missed heart
 WAIT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-membership", tiny_qwen3_dir) as started:
-        yield started
-
-
 def start_router(cluster: Cluster, mode: str = "aggregated") -> Proc:
     """A router naming no instance: it answers 503 until every role has registered."""
     argv = ["route", "--host", HOST, "--port", "0", "--mode", mode]
     router = cluster._spawn(f"router-{mode}", [*argv, "--heartbeat-timeout-s", str(TIMEOUT_S)])
-    until(lambda: router.poll_ready() or bool(router.url), f"the {mode} router to listen")
+    wait_until(
+        lambda: router.poll_ready() or bool(router.url), f"the {mode} router to listen", WAIT_S
+    )
     assert router.get_status("/health") == 503
     return router
 
@@ -69,21 +56,12 @@ def finish_load(clients: ThreadPoolExecutor, running: list, max_tokens: int) -> 
 def start_instance(cluster: Cluster, name: str, router: Proc) -> Proc:
     instance = cluster.serve(name, args=registering(router))
     cluster.wait_ready(instance)
-    until(lambda: instance.url in listed(router), f"{name} to register")
+    wait_until(lambda: instance.url in listed(router), f"{name} to register", WAIT_S)
     return instance
 
 
 def listed(router: Proc) -> dict[str, dict]:
     return {row["url"]: row for row in router.get_json("/instances")}
-
-
-def until(condition, what: str, timeout_s: float = WAIT_S) -> float:
-    """Seconds until `condition()` held; fails after timeout_s."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 def ask(router: Proc, seed: int, max_tokens: int = 8) -> Answer:
@@ -93,19 +71,23 @@ def ask(router: Proc, seed: int, max_tokens: int = 8) -> Answer:
 def test_register_kill_and_drain(cluster: Cluster) -> None:
     router = start_router(cluster)
     first = start_instance(cluster, "first", router)
-    until(lambda: router.get_status("/health") == 200, "the router to take work")
+    wait_until(lambda: router.get_status("/health") == 200, "the router to take work", WAIT_S)
     assert ask(router, 1).status == 200
     assert first.num_finished("length") == 1
     assert listed(router)[first.url]["source"] == "registered"
 
     late = start_instance(cluster, "late", router)  # joins a router already serving
-    until(lambda: listed(router)[late.url]["healthy"], "the late instance to be probed")
+    wait_until(
+        lambda: listed(router)[late.url]["healthy"], "the late instance to be probed", WAIT_S
+    )
     for seed in range(2, 6):
         assert ask(router, seed).status == 200
     assert late.num_finished("length") >= 1, "the late instance never received work"
 
     late.kill()  # no deregistration: only the missed heartbeats tell the router
-    gone_after_s = until(lambda: late.url not in listed(router), "the killed instance to go")
+    killed_s = time.monotonic()
+    wait_until(lambda: late.url not in listed(router), "the killed instance to go", WAIT_S)
+    gone_after_s = time.monotonic() - killed_s
     assert gone_after_s <= 3 * HEARTBEAT_S + 1.0  # + one health poll and a scheduling slack
     served_before = first.num_finished("length")
     answers = [ask(router, seed) for seed in range(10, 14)]
@@ -113,23 +95,29 @@ def test_register_kill_and_drain(cluster: Cluster) -> None:
     assert first.num_finished("length") == served_before + 4
 
     spare = start_instance(cluster, "spare", router)
-    until(lambda: listed(router)[spare.url]["healthy"], "the spare instance to be probed")
+    wait_until(
+        lambda: listed(router)[spare.url]["healthy"], "the spare instance to be probed", WAIT_S
+    )
     drain_under_load(cluster, router, first, spare)
 
 
 def drain_under_load(cluster: Cluster, router: Proc, draining: Proc, staying: Proc) -> None:
     """SIGTERM `draining` while requests run on both: none is lost, its pool ends full."""
     clients, running = start_load(router, range(20, 26), max_tokens=400)
-    until(lambda: draining.load()["num_running"] > 0, "requests on the draining instance")
+    wait_until(
+        lambda: draining.load()["num_running"] > 0, "requests on the draining instance", WAIT_S
+    )
     draining.popen.send_signal(signal.SIGTERM)
-    until(lambda: listed(router).get(draining.url, {}).get("draining", True), "draining shown")
+    wait_until(
+        lambda: listed(router).get(draining.url, {}).get("draining", True), "draining shown", WAIT_S
+    )
     during = ask(router, 30)  # new work goes to the instance that stays
     assert during.status == 200, during.body
     finish_load(clients, running, max_tokens=400)
     assert draining.popen.wait(WAIT_S) == 0
     log = draining.log_path.read_text()
     assert "disagg serve drained: 1024 of 1024 KV blocks free" in log, draining.log_tail()
-    until(lambda: draining.url not in listed(router), "the drained instance to leave")
+    wait_until(lambda: draining.url not in listed(router), "the drained instance to leave", WAIT_S)
     assert staying.num_finished("length") >= 1
 
 
@@ -142,10 +130,10 @@ def test_a_prefill_instance_drains_mid_handoff_in_pull_mode(cluster: Cluster) ->
     staying = cluster.serve("p-staying", role="prefill", **kv)
     decode = cluster.serve("d-pull", role="decode", **kv)
     cluster.wait_ready(leaving, staying, decode)
-    until(lambda: router.get_status("/health") == 200, "the pull router to take work")
+    wait_until(lambda: router.get_status("/health") == 200, "the pull router to take work", WAIT_S)
     clients, running = start_load(router, range(40, 48), max_tokens=200)
-    until(lambda: leaving.num_finished("length") + leaving.load()["num_running"] > 0,
-          "work on the prefill instance that leaves")  # fmt: skip
+    wait_until(lambda: leaving.num_finished("length") + leaving.load()["num_running"] > 0,
+               "work on the prefill instance that leaves", WAIT_S)  # fmt: skip
     leaving.popen.send_signal(signal.SIGTERM)
     finish_load(clients, running, max_tokens=200)
     assert leaving.popen.wait(WAIT_S) == 0

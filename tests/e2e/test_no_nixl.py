@@ -5,21 +5,15 @@ and each instance reports the transport it resolved."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, complete, completion_body, prompt_ids, running_cluster
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster
 from tests.no_nixl import write_no_nixl_dir
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-no-nixl", tiny_qwen3_dir) as started:
-        yield started
 
 
 def test_auto_transport_falls_back_to_tcp_and_serves(cluster: Cluster, tmp_path: Path) -> None:

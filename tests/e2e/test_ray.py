@@ -11,34 +11,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
 
-from tests.e2e.cluster import (
-    Answer,
-    Cluster,
-    Reference,
-    complete,
-    completion_body,
-    prompt_ids,
-    running_cluster,
-    wait_until,
-)
+from tests.e2e.client import Answer, complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Reference
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
 UP_TIMEOUT_S = 240.0
 RAY_PROCESSES = re.compile(rb"raylet|gcs_server|ray::|dashboard_agent|runtime_env_agent")
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-ray", tiny_qwen3_dir) as started:
-        yield started
 
 
 def ray_processes() -> list[str]:

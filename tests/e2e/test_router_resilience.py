@@ -9,23 +9,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    assert_pools_full,
-    complete,
-    completion_body,
-    open_stream,
-    prompt_ids,
-    running_cluster,
-    wait_until,
-)
+from tests.e2e.client import complete, completion_body, open_stream, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, assert_pools_full
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +24,6 @@ PROMPT_TOKENS = 1900
 # P has decided to finish and lease the blocks but before the router has its answer.
 PREFILL_ARGS = ("--max-num-batched-tokens", "2048")
 NUM_HANG_UPS = 12
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-router-resilience", tiny_qwen3_dir) as started:
-        yield started
 
 
 @dataclass(frozen=True, slots=True)

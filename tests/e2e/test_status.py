@@ -7,23 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import Cluster, complete, completion_body, prompt_ids, running_cluster
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 
 STATUS_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "e2e-status", tiny_qwen3_dir) as started:
-        yield started
 
 
 def run_status(router_url: str, *flags: str) -> tuple[int, str]:

@@ -15,15 +15,8 @@ from disagg.kv.common import KVIdentity
 from disagg.kv.pull import PullScheduler
 from disagg.protocol import KVTransferParams, SamplingParams, TokenLogprobs
 from disagg.server.tokenizer import Tokenizer
+from tests import fakes
 from tests.engine.test_equivalence import _hf_model, _prompts, assert_pool_full, make_engine
-from tests.engine.test_scheduler import drain
-from tests.fakes import (
-    FakeConnector,
-    FakeRunner,
-    assert_no_leaks,
-    make_request,
-    make_scheduler,
-)
 
 TOLERANCE = 1e-3  # nats; fp32 against fp32, two implementations
 
@@ -142,12 +135,13 @@ def test_minus_infinity_is_clamped_to_json_safe_number() -> None:
 
 
 def test_scheduler_keeps_logprobs_only_for_requests_that_asked() -> None:
-    sched = make_scheduler()
-    asked, plain = make_request(request_id="a", logprobs=2), make_request(request_id="b")
+    sched = fakes.make_scheduler()
+    asked = fakes.make_request(request_id="a", logprobs=2)
+    plain = fakes.make_request(request_id="b")
     sched.add_request(asked)
     sched.add_request(plain)
     out = sched.schedule(0.0)
-    runner = FakeRunner().execute(out)
+    runner = fakes.FakeRunner().execute(out)
     runner.logprobs["a"] = TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])
     outputs = {o.request_id: o for o in sched.update(out, runner, 0.0)}
     assert outputs["a"].new_logprobs == [TokenLogprobs(-0.5, [7, 3], [-0.5, -1.0])]
@@ -157,26 +151,26 @@ def test_scheduler_keeps_logprobs_only_for_requests_that_asked() -> None:
 def test_relayed_first_token_logprobs_reach_the_decode_output() -> None:
     """Pull: P's answer carries first_token_logprobs beside first_token_id; D emits the token
     with them, and the tokens it samples itself with none from the fake runner (null)."""
-    connector = FakeConnector(delay=1)
-    sched = make_scheduler(connector=connector)
-    req = make_request(max_tokens=2, remote_prefill=True, first_token_id=5, logprobs=1)
+    connector = fakes.FakeConnector(delay=1)
+    sched = fakes.make_scheduler(connector=connector)
+    req = fakes.make_request(max_tokens=2, remote_prefill=True, first_token_id=5, logprobs=1)
     relayed = TokenLogprobs(-0.25, [5], [-0.25])
     assert req.kv_transfer_params is not None
     req.kv_transfer_params.first_token_logprobs = relayed.to_dict()
     sched.add_request(req)
-    outputs = drain(sched, FakeRunner(), connector)
+    outputs = fakes.drain(sched, fakes.FakeRunner(), connector)
     assert outputs[0].new_token_ids == [5] and outputs[0].new_logprobs == [relayed]
     assert req.output_logprobs == [relayed, None]
-    assert_no_leaks(sched)
+    fakes.assert_no_leaks(sched)
 
 
 def test_prefill_answer_carries_first_token_logprobs() -> None:
     connector = PullScheduler(4, KVIdentity("p", "127.0.0.1", 1), lease_s=5.0)
-    sched = make_scheduler(connector=connector)
-    req = make_request(max_tokens=1, remote_decode=True, logprobs=1)
+    sched = fakes.make_scheduler(connector=connector)
+    req = fakes.make_request(max_tokens=1, remote_decode=True, logprobs=1)
     sched.add_request(req)
     out = sched.schedule(0.0)
-    runner = FakeRunner().execute(out)
+    runner = fakes.FakeRunner().execute(out)
     runner.logprobs[req.request_id] = TokenLogprobs(-0.5, [7], [-0.5])
     [answer] = sched.update(out, runner, 0.0)
     assert answer.kv_transfer_params is not None

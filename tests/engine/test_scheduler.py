@@ -5,19 +5,11 @@ from tests.fakes import (
     FakeConnector,
     FakeRunner,
     assert_no_leaks,
+    drain,
     make_request,
     make_scheduler,
     run_step,
 )
-
-
-def drain(sched, runner, connector=None, max_steps=200):
-    outputs = []
-    for _ in range(max_steps):
-        if not (sched.has_unfinished or sched.has_kv_pending):
-            return outputs
-        outputs.extend(run_step(sched, runner, connector)[1])
-    raise AssertionError("scheduler did not drain")
 
 
 def test_single_request_prefill_then_decode():

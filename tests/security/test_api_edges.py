@@ -25,7 +25,7 @@ from disagg.server.json_body import MAX_JSON_DEPTH, parse_json_body
 from disagg.server.openai_api import APIError
 from disagg.server.tokenizer import Tokenizer
 from tests.router.fakes import FakeInstance, run_async, running
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 DEEP = 100_000  # far past the recursion limit of json.loads
 
@@ -72,47 +72,49 @@ BAD_BODIES = {
 # ---- parse_json_body --------------------------------------------------------------------------
 
 
+def _refusal(raw: bytes) -> APIError:
+    """The APIError parse_json_body raises for `raw` (it must raise one)."""
+    with pytest.raises(APIError) as info:
+        parse_json_body(raw)
+    return info.value
+
+
 @pytest.mark.parametrize("raw", SURROGATES.values(), ids=SURROGATES.keys())
 def test_parse_refuses_lone_surrogates(raw: bytes) -> None:
     """A lone surrogate escape (valid JSON, not encodable as UTF-8) anywhere, keys included."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
-    assert "surrogate" in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_value")
+    assert "surrogate" in error.message
 
 
 def test_parse_refuses_raw_surrogate_bytes() -> None:
     """A surrogate encoded straight into the bytes: json.loads decodes bytes with
     "surrogatepass", so it parses to a lone surrogate like the escape does."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(b'{"prompt": "\xed\xa0\x80"}')
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
+    error = _refusal(b'{"prompt": "\xed\xa0\x80"}')
+    assert (error.status, error.code) == (400, "invalid_value")
 
 
 @pytest.mark.parametrize("raw", TOO_DEEP.values(), ids=TOO_DEEP.keys())
 def test_parse_refuses_deep_nesting(raw: bytes) -> None:
     """100k-deep nesting (RecursionError inside json.loads) and one level past MAX_JSON_DEPTH."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_json")
-    assert str(MAX_JSON_DEPTH) in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_json")
+    assert str(MAX_JSON_DEPTH) in error.message
 
 
 @pytest.mark.parametrize("raw", OVERFLOWS.values(), ids=OVERFLOWS.keys())
 def test_parse_refuses_numbers_that_overflow_to_inf(raw: bytes) -> None:
     """1e309 / -1e309 (json.loads makes them +-inf) at the top level and nested."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert (info.value.status, info.value.code) == (400, "invalid_value")
-    assert "finite" in info.value.message
+    error = _refusal(raw)
+    assert (error.status, error.code) == (400, "invalid_value")
+    assert "finite" in error.message
 
 
 @pytest.mark.parametrize("raw", [b'{"t": NaN}', b'{"t": [Infinity]}', b'{"t": -Infinity}'])
 def test_parse_still_refuses_nan_and_infinity_constants(raw: bytes) -> None:
     """The NaN/Infinity literals json.loads accepts by default."""
-    with pytest.raises(APIError) as info:
-        parse_json_body(raw)
-    assert info.value.status == 400
+    error = _refusal(raw)
+    assert error.status == 400
 
 
 def test_parse_accepts_normal_bodies() -> None:
@@ -160,7 +162,7 @@ async def error_of(resp: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
 def test_instance_answers_every_bad_body_with_400_then_serves(tokenizer: Tokenizer) -> None:
     """Lone surrogates, 100k/65-deep nesting and 1e309 on both endpoints: 400, OpenAI error
     shape with its four fields; the engine never sees them and a normal request then succeeds."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
 
     async def test(client: TestClient) -> None:
         for name, raw in BAD_BODIES.items():
@@ -312,7 +314,7 @@ async def post_with_authorization(client: TestClient, authorization: bytes) -> t
 def test_non_ascii_authorization_is_401_not_500(tokenizer: Tokenizer, authorization: bytes) -> None:
     """Regression: hmac.compare_digest raised TypeError on a non-ASCII key (HTTP 500 with a
     traceback) on the instance and on the router. Now a wrong key like any other: 401."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
     apps = {
         "instance": lambda: make_instance_app(engine, tokenizer, api_key=API_KEY),
         "router": lambda: make_router_app(
@@ -359,7 +361,7 @@ def test_error_code_is_a_string_on_the_instance_and_through_the_router(
 ) -> None:
     """Regression: through the router an unknown model said `"code": "model_not_found"` (the
     instance's answer, relayed) but a malformed body `"code": 400` (the router's own)."""
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello", add_special_tokens=False))
     calls = {  # name -> (method, path, body, status)
         "unknown model": ("POST", "/v1/completions", b'{"model": "nope", "prompt": "x"}', 404),
         "malformed": ("POST", "/v1/chat/completions", b'{"prompt": ', 400),

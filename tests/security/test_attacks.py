@@ -3,17 +3,15 @@ test. One request must never kill an instance, no client may touch another clien
 no wrong token may be served with HTTP 200.
 
 Instances run over the TCP transport (tests/security/test_tcp_transport_auth.py covers its
-peer authentication); every child holds the cluster token tests.e2e.cluster.CLUSTER_TOKEN.
+peer authentication); every child holds the cluster token tests.e2e.client.CLUSTER_TOKEN.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,18 +19,9 @@ import requests
 
 from disagg.router.call import push_params
 from disagg.security import auth
-from tests.e2e.cluster import (
-    CLUSTER_TOKEN,
-    Cluster,
-    Proc,
-    Reference,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-    running_cluster,
-    wait_until,
-)
+from tests.e2e.client import CLUSTER_TOKEN, complete, completion_body, prompt_ids
+from tests.e2e.cluster import Cluster, Proc, Reference, assert_pools_full
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +46,6 @@ class Target:
     def instances(self) -> tuple[Proc, ...]:
         return (self.aggregated, self.push_prefill, self.push_decode, self.pull_prefill,
                 self.pull_decode, self.slow_decode)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "security", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

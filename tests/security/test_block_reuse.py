@@ -13,18 +13,10 @@ import pytest
 
 from disagg.engine.outputs import KVConnectorOutput, KVFailure, RunnerOutput
 from disagg.engine.request import RequestStatus
-from tests.engine.test_scheduler import drain
-from tests.fakes import (
-    FakeConnector,
-    FakeRunner,
-    assert_no_leaks,
-    make_request,
-    make_scheduler,
-    run_step,
-)
+from tests import fakes
 
 
-class _LateWriteConnector(FakeConnector):
+class _LateWriteConnector(fakes.FakeConnector):
     """Reports a handoff failed while its write may still land (a reservation that timed out
     while P still has it): every abort says "in flight", and nothing settles until told."""
 
@@ -44,35 +36,35 @@ class _LateWriteConnector(FakeConnector):
 def _step(sched, connector, out: KVConnectorOutput | None = None) -> None:
     if out is not None:
         connector.out = out
-    run_step(sched, FakeRunner(), connector)
+    fakes.run_step(sched, fakes.FakeRunner(), connector)
     sched.check_integrity()
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_failed_handoff_keeps_blocks_until_settled(recompute: bool) -> None:
     connector = _LateWriteConnector()
-    sched = make_scheduler(num_blocks=8, block_size=4, connector=connector)
-    victim = make_request(num_tokens=10, remote_prefill=True, first_token_id=3)
+    sched = fakes.make_scheduler(num_blocks=8, block_size=4, connector=connector)
+    victim = fakes.make_request(num_tokens=10, remote_prefill=True, first_token_id=3)
     sched.add_request(victim)
     _step(sched, connector)  # (1) D reserves 3 blocks for P's write
     reserved = set(connector.block_ids[victim.request_id])
     failure = KVFailure("no KV within 30s", recompute=recompute)
     _step(sched, connector, KVConnectorOutput(failed={victim.request_id: failure}))  # (2)
     assert victim.request_id in sched.draining, "blocks freed while a write may land"
-    other = make_request(num_tokens=20)
+    other = fakes.make_request(num_tokens=20)
     sched.add_request(other)  # (3) another request wants blocks now
     _step(sched, connector)
     assert not reserved & set(other.block_ids), "a block that P may still write was reused"
     connector.settling.clear()  # (4) the write settled (P confirmed): report it
     _step(sched, connector, KVConnectorOutput(settled={victim.request_id}))
     assert victim.request_id not in sched.draining
-    drain(sched, FakeRunner(), connector)
-    assert_no_leaks(sched)
+    fakes.drain(sched, fakes.FakeRunner(), connector)
+    fakes.assert_no_leaks(sched)
 
 
 def test_check_integrity_names_a_free_block_a_transfer_touches() -> None:
     connector = _LateWriteConnector()
-    sched = make_scheduler(num_blocks=8, connector=connector)
+    sched = fakes.make_scheduler(num_blocks=8, connector=connector)
     connector.settling["ghost"] = 1
     connector.block_ids["ghost"] = [5]  # a transfer into block 5, which nobody holds
     with pytest.raises(AssertionError, match=r"\[5\]"):
@@ -82,12 +74,12 @@ def test_check_integrity_names_a_free_block_a_transfer_touches() -> None:
 def test_runner_failure_fails_that_request_only() -> None:
     """A request whose sampling fails (e.g. no valid distribution) ends in an error; the
     other requests of the same step go on, and every block comes back."""
-    sched = make_scheduler()
-    bad, good = make_request(num_tokens=6), make_request(num_tokens=6)
+    sched = fakes.make_scheduler()
+    bad, good = fakes.make_request(num_tokens=6), fakes.make_request(num_tokens=6)
     sched.add_request(bad)
     sched.add_request(good)
     out = sched.schedule(0.0)
-    runner_out = FakeRunner().execute(out)
+    runner_out = fakes.FakeRunner().execute(out)
     del runner_out.sampled_token_ids[bad.request_id]
     runner_out.failed[bad.request_id] = "sampling found no valid distribution"
     outputs = sched.update(out, runner_out, 0.0)
@@ -95,21 +87,21 @@ def test_runner_failure_fails_that_request_only() -> None:
     assert errors == {bad.request_id: "sampling found no valid distribution"}
     assert bad.status is RequestStatus.FINISHED_ERROR
     assert good.status is RequestStatus.RUNNING
-    drain(sched, FakeRunner())
-    assert_no_leaks(sched)
+    fakes.drain(sched, fakes.FakeRunner())
+    fakes.assert_no_leaks(sched)
 
 
 def test_step_with_every_request_failed_keeps_scheduler_sound() -> None:
     """Engine._execute turns a model step that raised into RunnerOutput.failed for all of its
     requests: the scheduler ends them and the next request runs normally."""
-    sched = make_scheduler()
-    first = make_request(num_tokens=9)
+    sched = fakes.make_scheduler()
+    first = fakes.make_request(num_tokens=9)
     sched.add_request(first)
     out = sched.schedule(0.0)
     sched.update(out, RunnerOutput(failed={first.request_id: "model step failed"}), 0.0)
     assert first.status is RequestStatus.FINISHED_ERROR
-    second = make_request(num_tokens=9)
+    second = fakes.make_request(num_tokens=9)
     sched.add_request(second)
-    drain(sched, FakeRunner())
+    fakes.drain(sched, fakes.FakeRunner())
     assert second.status is RequestStatus.FINISHED_LENGTH
-    assert_no_leaks(sched)
+    fakes.assert_no_leaks(sched)

@@ -17,7 +17,6 @@ import json
 import resource
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +40,11 @@ from disagg.server.openai_api import (
 from disagg.server.output_processor import OutputProcessor
 from disagg.server.prompt_limits import PROMPT_CHARS_PER_TOKEN
 from disagg.server.tokenizer import Tokenizer
-from tests.e2e.cluster import (
-    Cluster,
-    Proc,
-    completion_body,
-    open_stream,
-    prompt_ids,
-    running_cluster,
-)
+from tests.e2e.client import completion_body, open_stream, prompt_ids
+from tests.e2e.cluster import Cluster, Proc
 from tests.router.fakes import FakeInstance, run_async, running
 from tests.security.test_api_edges import error_of, with_client
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 ADDRESS_SPACE_BYTES = int(3.5 * 2**30)  # the limit the instance died under
 BIG_PROMPT_CHARS = 15_000_000
@@ -136,8 +129,8 @@ def test_stop_matching_scans_only_the_new_tail(tokenizer: Tokenizer) -> None:
 # ---- A: prompt size checked before tokenizing, on the instance --------------------------------
 
 
-def instance_app(tokenizer: Tokenizer, **kwargs: Any) -> tuple[FakeEngine, Any]:
-    engine = FakeEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
+def instance_app(tokenizer: Tokenizer, **kwargs: Any) -> tuple[ScriptedEngine, Any]:
+    engine = ScriptedEngine(output_ids=tokenizer.encode("Hello world", add_special_tokens=False))
     if isinstance(tokenizer, CountingTokenizer):
         tokenizer.num_chars = 0  # count only what the app tokenizes
     return engine, lambda: make_instance_app(engine, tokenizer, **kwargs)
@@ -274,12 +267,6 @@ def test_tokenizing_a_long_prompt_lets_other_threads_run(tokenizer: Tokenizer) -
 
 def _limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
-
-
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest, tiny_qwen3_dir: Path) -> Iterator[Cluster]:
-    with running_cluster(request, "bounded-work", tiny_qwen3_dir) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

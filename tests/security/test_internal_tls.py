@@ -9,14 +9,15 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 from disagg.config import KVTransferConfig, RouterConfig, ServerConfig
-from tests.e2e.cluster import assert_pools_full, completion_body, prompt_ids, running_cluster
+from tests.e2e.client import completion_body, prompt_ids
+from tests.e2e.cluster import assert_pools_full, running_cluster
+from tests.helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +75,12 @@ def test_a_pull_cluster_runs_over_internal_tls(
         joined = cluster.serve("d-joined", role="decode", transport="tcp",
                                args=[*flags, "--router", router.url])  # fmt: skip
         cluster.wait_ready(joined)
-        _wait_listed(router.url, joined.url, cert_file)
+        wait_until(lambda: _is_listed_healthy(router.url, joined.url, cert_file),
+                   f"{joined.url} registers healthy", 30.0)  # fmt: skip
         with pytest.raises(requests.ConnectionError):
             requests.get(prefill.url.replace("https://", "http://") + "/health", timeout=5)
 
 
-def _wait_listed(router_url: str, url: str, cert_file: Path, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rows = requests.get(f"{router_url}/instances", verify=str(cert_file), timeout=5).json()
-        if any(row["url"] == url and row["healthy"] for row in rows):
-            return
-        assert time.monotonic() < deadline, f"{url} never registered healthy: {rows}"
-        time.sleep(0.1)
+def _is_listed_healthy(router_url: str, url: str, cert_file: Path) -> bool:
+    rows = requests.get(f"{router_url}/instances", verify=str(cert_file), timeout=5).json()
+    return any(row["url"] == url and row["healthy"] for row in rows)

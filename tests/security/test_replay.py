@@ -26,14 +26,8 @@ from aiohttp import web
 from disagg.config import RouterConfig
 from disagg.router.app import make_app, start_server
 from disagg.server.registration import Registration
-from tests.e2e.cluster import (
-    Proc,
-    assert_pools_full,
-    complete,
-    completion_body,
-    prompt_ids,
-    running_cluster,
-)
+from tests.e2e.client import complete, completion_body, prompt_ids
+from tests.e2e.cluster import Proc, assert_pools_full, running_cluster
 from tests.router.fakes import ROUTER_TEST_TOKEN, FakeInstance, run_async
 from tests.security.wiretap import Recorded, Wiretap, send_raw
 

@@ -25,7 +25,7 @@ from disagg.server.app import make_app as make_instance_app
 from disagg.server.app import start_server as start_instance
 from disagg.server.tokenizer import Tokenizer
 from tests.router.fakes import run_async
-from tests.server.fakes import FakeEngine, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, make_tokenizer_dir
 
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 0.5
@@ -50,7 +50,7 @@ def serve(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> Serve:
     async def running() -> AsyncIterator[tuple[str, int]]:
         if request.param == "instance":
             app = make_instance_app(
-                FakeEngine(output_ids=[5, 6]), tokenizer, body_timeout_s=BODY_TIMEOUT_S
+                ScriptedEngine(output_ids=[5, 6]), tokenizer, body_timeout_s=BODY_TIMEOUT_S
             )
             runner, port = await start_instance(
                 app, "127.0.0.1", 0, header_timeout_s=HEADER_TIMEOUT_S
@@ -110,18 +110,55 @@ def _assert_openai_error(headers: dict[str, str], body: Any) -> str:
     return str(body["error"]["message"])
 
 
+def _error_status(raw: bytes) -> int:
+    """The status of an answer that must be an OpenAI-shaped JSON error."""
+    status, headers, body = _parse_response(raw)
+    _assert_openai_error(headers, body)
+    return status
+
+
+async def _closed_while_writing(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes, each: bytes
+) -> bytes:
+    """Write `first`, then `each` every 0.1 s, until the server closes (within
+    CLOSED_WITHIN_S): everything it sent. The writer is closed on return."""
+    writing = asyncio.create_task(_keep_writing(writer, first, each))
+    try:
+        return await _read_until_closed(reader, CLOSED_WITHIN_S)
+    finally:
+        writing.cancel()
+        writer.close()
+
+
+async def _head_after_pieces(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pieces: list[bytes], pause_s: float
+) -> bytes:
+    """Send `pieces`, each followed by `pause_s` of silence; the head of the answer."""
+    for piece in pieces:
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(pause_s)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    return head
+
+
+async def _answer_to(host: str, port: int, request: bytes) -> bytes:
+    """Send `request` on a new connection; everything the server sent until it closed."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request)
+    raw = await _read_until_closed(reader, CLOSED_WITHIN_S)
+    writer.close()
+    return raw
+
+
 async def _slowloris(host: str, port: int) -> float:
     """Dribble header lines forever; seconds until the server hangs up."""
     started_s = time.monotonic()
     reader, writer = await asyncio.open_connection(host, port)
     first = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
-    dribble = asyncio.create_task(_keep_writing(writer, first, b"X-Slow: 1\r\n"))
-    try:
-        await _read_until_closed(reader, CLOSED_WITHIN_S)
-        return time.monotonic() - started_s
-    finally:
-        dribble.cancel()
-        writer.close()
+    await _closed_while_writing(reader, writer, first, b"X-Slow: 1\r\n")
+    return time.monotonic() - started_s
 
 
 def test_slowloris_connections_are_closed_at_the_header_deadline(serve: Serve) -> None:
@@ -155,14 +192,9 @@ def test_header_deadline_covers_later_requests_on_a_kept_alive_connection(serve:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert head.startswith(b"HTTP/1.1 200"), head
             await asyncio.sleep(2 * HEADER_TIMEOUT_S)  # idle between requests is not late
-            dribble = asyncio.create_task(
-                _keep_writing(writer, b"GET /health HTTP/1.1\r\n", b"X-Slow: 1\r\n")
+            await _closed_while_writing(
+                reader, writer, b"GET /health HTTP/1.1\r\n", b"X-Slow: 1\r\n"
             )
-            try:
-                await _read_until_closed(reader, CLOSED_WITHIN_S)
-            finally:
-                dribble.cancel()
-                writer.close()
 
     run_async(scenario())
 
@@ -171,12 +203,8 @@ def test_headers_sent_in_pieces_within_the_deadline_are_served(serve: Serve) -> 
     async def scenario() -> None:
         async with serve() as (host, port):
             reader, writer = await asyncio.open_connection(host, port)
-            for piece in (b"GET /metrics HTTP/1.1\r\n", b"Host: t\r\n", b"\r\n"):
-                writer.write(piece)
-                await writer.drain()
-                await asyncio.sleep(HEADER_TIMEOUT_S / 10)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            writer.close()
+            pieces = [b"GET /metrics HTTP/1.1\r\n", b"Host: t\r\n", b"\r\n"]
+            head = await _head_after_pieces(reader, writer, pieces, HEADER_TIMEOUT_S / 10)
             assert head.startswith(b"HTTP/1.1 200"), head
 
     run_async(scenario())
@@ -190,15 +218,8 @@ def test_an_endless_chunked_upload_gets_408_at_the_body_deadline(serve: Serve) -
             reader, writer = await asyncio.open_connection(host, port)
             head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
             first = head + b"\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
-            upload = asyncio.create_task(_keep_writing(writer, first, b"1\r\n \r\n"))
-            try:
-                raw = await _read_until_closed(reader, CLOSED_WITHIN_S)
-            finally:
-                upload.cancel()
-                writer.close()
-            status, headers, body = _parse_response(raw)
-            assert status == 408, raw[:300]
-            _assert_openai_error(headers, body)
+            raw = await _closed_while_writing(reader, writer, first, b"1\r\n \r\n")
+            assert _error_status(raw) == 408, raw[:300]
 
     run_async(scenario())
 
@@ -212,12 +233,9 @@ def test_a_slow_body_within_the_deadline_is_read(serve: Serve) -> None:
             writer.write(
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
             )
-            for piece in (body[:10], body[10:]):
-                writer.write(piece)
-                await writer.drain()
-                await asyncio.sleep(BODY_TIMEOUT_S / 10)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            writer.close()
+            head = await _head_after_pieces(
+                reader, writer, [body[:10], body[10:]], BODY_TIMEOUT_S / 10
+            )
             assert head.startswith(b"HTTP/1.1 400"), head
 
     run_async(scenario())
@@ -228,10 +246,8 @@ def test_a_header_over_the_limit_gets_a_json_400(serve: Serve) -> None:
 
     async def scenario() -> None:
         async with serve() as (host, port):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\n" + BIG_HEADER + b"\r\n")
-            raw = await _read_until_closed(reader, CLOSED_WITHIN_S)
-            writer.close()
+            request = b"GET /health HTTP/1.1\r\nHost: t\r\n" + BIG_HEADER + b"\r\n"
+            raw = await _answer_to(host, port, request)
             status, headers, body = _parse_response(raw)
             assert status == 400, raw[:300]
             assert "8190" in _assert_openai_error(headers, body)  # the message names the limit
@@ -242,13 +258,8 @@ def test_a_header_over_the_limit_gets_a_json_400(serve: Serve) -> None:
 def test_a_malformed_request_line_gets_a_json_400(serve: Serve) -> None:
     async def scenario() -> None:
         async with serve() as (host, port):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(b"GET /health HTTP/1.1 extra\r\nHost: t\r\n\r\n")
-            raw = await _read_until_closed(reader, CLOSED_WITHIN_S)
-            writer.close()
-            status, headers, body = _parse_response(raw)
-            assert status == 400, raw[:300]
-            _assert_openai_error(headers, body)
+            raw = await _answer_to(host, port, b"GET /health HTTP/1.1 extra\r\nHost: t\r\n\r\n")
+            assert _error_status(raw) == 400, raw[:300]
 
     run_async(scenario())
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from disagg.kv.transport import Op, TransferState
 from disagg.kv.transport.tcp import TcpTransport
 from disagg.kv.transport.tcp_auth import HELLO
+from tests.helpers import wait_until
 from tests.kv.transport_peer import BLOCK_NBYTES, NUM_BLOCKS, make_buffer, wait_done
 
 SECRET = "cluster-secret-for-cap-tests"
@@ -57,15 +57,6 @@ def _hello(sock: socket.socket) -> bytes:
         return b""
 
 
-def _wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_connections_past_the_cap_are_refused_logged_and_counted(
     transports: list[TcpTransport], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -83,7 +74,7 @@ def test_connections_past_the_cap_are_refused_logged_and_counted(
         for sock in held:
             sock.close()
     # (3) the held ones end: there is room again
-    assert _wait_for(lambda: server.num_open_connections == 0)
+    wait_until(lambda: server.num_open_connections == 0, "the server closes every connection")
     with socket.create_connection(_addr(server)) as again:
         assert len(_hello(again)) == HELLO.size
 
@@ -95,7 +86,7 @@ def test_a_peer_transfers_once_the_flood_ends(transports: list[TcpTransport]) ->
     flood = [socket.create_connection(_addr(server)) for _ in range(3 * CAP)]
     for sock in flood:
         sock.close()
-    assert _wait_for(lambda: server.num_open_connections == 0)
+    wait_until(lambda: server.num_open_connections == 0, "the server closes every connection")
     handle = client.post(Op.READ, "server", [0, 1], [2, 3], b"")
     assert wait_done(client, handle) is TransferState.DONE
 

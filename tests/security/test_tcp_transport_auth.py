@@ -20,6 +20,7 @@ from disagg.kv.transport import Op, TransferState
 from disagg.kv.transport.tcp import TcpTransport
 from disagg.kv.transport.tcp_auth import HELLO, PROOF
 from disagg.kv.transport.tcp_wire import OP_READ, OP_WRITE, encode_request
+from tests.helpers import wait_until
 from tests.kv.transport_peer import BLOCK_NBYTES, NUM_BLOCKS, make_buffer, pattern, wait_done
 
 SECRET = "cluster-secret-for-tests"
@@ -168,10 +169,11 @@ def test_wrong_secret_transfers_fail(
         np.testing.assert_array_equal(victim.buffer, pattern(7), "attacker bytes landed in KV")
         assert "authentication failed" in caplog.text  # the attacker's job error
         if victim_secret:  # the victim refused a connection, naming its address
-            deadline = time.monotonic() + 5.0  # logged on its serving thread: may come later
-            while "refused KV connection from 127.0.0.1:" not in caplog.text:
-                assert time.monotonic() < deadline, "victim logged no refusal"
-                time.sleep(0.01)
+            wait_until(  # logged on its serving thread: may come later
+                lambda: "refused KV connection from 127.0.0.1:" in caplog.text,
+                "the victim logs its refusal",
+                5.0,
+            )
 
 
 def _capture_proof(nodes: list[Node], name: str) -> tuple[bytes, bytes]:

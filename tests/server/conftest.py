@@ -10,7 +10,7 @@ import pytest
 
 from disagg.server.app import make_app
 from disagg.server.tokenizer import Tokenizer
-from tests.server.fakes import FakeEngine, ServerThread, make_tokenizer_dir
+from tests.server.fakes import ScriptedEngine, ServerThread, make_tokenizer_dir
 
 OUTPUT_TEXT = "Hello world, this is a test."
 CLUSTER_TOKEN = "server-tests-cluster-token"  # what the router would sign its legs with
@@ -27,13 +27,13 @@ def tokenizer(tokenizer_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture
-def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., tuple[FakeEngine, ServerThread]]]:
-    """serve(**FakeEngine knobs) -> (engine, running server); servers stop at teardown."""
+def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., tuple[ScriptedEngine, ServerThread]]]:
+    """serve(**ScriptedEngine knobs) -> (engine, running server); servers stop at teardown."""
     started: list[ServerThread] = []
 
-    def start(**knobs: Any) -> tuple[FakeEngine, ServerThread]:
+    def start(**knobs: Any) -> tuple[ScriptedEngine, ServerThread]:
         knobs.setdefault("output_ids", tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
-        engine = FakeEngine(**knobs)
+        engine = ScriptedEngine(**knobs)
         server = ServerThread(
             lambda: make_app(engine, tokenizer, cluster_token=CLUSTER_TOKEN)
         ).__enter__()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +30,10 @@ from disagg.server.app import start_server
 
 __all__ = [
     "CHATML_TEMPLATE",
-    "FakeEngine",
+    "ScriptedEngine",
     "ServerThread",
     "Submitted",
     "make_tokenizer_dir",
-    "wait_until",
 ]
 
 CHATML_TEMPLATE = (
@@ -97,7 +95,7 @@ class Submitted:
 
 
 @dataclass
-class FakeEngine:
+class ScriptedEngine:
     """Yields `output_ids` one token per delta (EOS-like STOP after the script, LENGTH at
     max_tokens). Knobs make it refuse, overload, fail with ERROR, or return kv params."""
 
@@ -235,13 +233,3 @@ class ServerThread:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll `predicate` until true or timeout (the server runs in another thread)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()

@@ -1,4 +1,4 @@
-"""The live aiohttp app over a FakeEngine: OpenAI client round-trips, streaming, stop strings,
+"""The live aiohttp app over a ScriptedEngine: OpenAI client round-trips, streaming, stop strings,
 kv_transfer_params, errors, disconnects and the instance endpoints."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg.security import auth
 from disagg.server.engine_client import EngineOverloadedError
 from disagg.server.tokenizer import Tokenizer
+from tests.helpers import wait_until
 from tests.server.conftest import CLUSTER_TOKEN, OUTPUT_TEXT
-from tests.server.fakes import FakeEngine, ServerThread, wait_until
+from tests.server.fakes import ScriptedEngine, ServerThread
 
-Serve = Callable[..., tuple[FakeEngine, ServerThread]]
+Serve = Callable[..., tuple[ScriptedEngine, ServerThread]]
 
 
 def _client(server: ServerThread) -> openai.OpenAI:
@@ -168,7 +169,7 @@ def test_stop_string_split_across_tokens_aborts_engine(serve: Serve, tokenizer: 
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == "Tokyo 東京 is big; emoji "
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert wait_until(lambda: chunks[-1].id in engine.aborted)
+    wait_until(lambda: chunks[-1].id in engine.aborted, "the finished stream is aborted")
 
 
 def test_kv_transfer_params_round_trip(serve: Serve) -> None:
@@ -334,16 +335,16 @@ def test_client_disconnect_mid_stream_aborts(serve: Serve) -> None:
         received += sock.recv(4096)
     assert received.startswith(b"HTTP/1.1 200")  # streaming has started
     sock.close()
-    assert wait_until(lambda: engine.aborted == ["gone"])
+    wait_until(lambda: engine.aborted == ["gone"], "the engine aborts the request")
     assert _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
 def test_client_disconnect_during_non_stream_aborts(serve: Serve) -> None:
     engine, server = serve(output_ids=list(range(3, 200)), delay_s=0.02)
     sock = _open_stream(server, {"prompt": "a", "max_tokens": 150})
-    assert wait_until(lambda: len(engine.submitted) == 1)
+    wait_until(lambda: len(engine.submitted) == 1, "the engine has the request")
     sock.close()
-    assert wait_until(lambda: engine.aborted == ["gone"])
+    wait_until(lambda: engine.aborted == ["gone"], "the engine aborts the request")
 
 
 def test_abort_endpoint(serve: Serve) -> None:
@@ -359,7 +360,7 @@ def test_abort_with_a_fence_says_whether_the_engine_held_the_request(serve: Serv
     when the engine never held the id (so it will refuse it from now on)."""
     engine, server = serve(output_ids=list(range(3, 200)), delay_s=0.02)
     sock = _open_stream(server, {"prompt": "a", "max_tokens": 150})
-    assert wait_until(lambda: len(engine.submitted) == 1)
+    wait_until(lambda: len(engine.submitted) == 1, "the engine has the request")
     held = _post(server, "/v1/abort", {"request_id": "gone", "fence": True}, signed=True)
     unknown = _post(server, "/v1/abort", {"request_id": "late", "fence": True}, signed=True)
     bad = _post(server, "/v1/abort", {"request_id": "x", "fence": "yes"}, signed=True)

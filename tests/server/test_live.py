@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +18,7 @@ import openai
 import pytest
 
 from tests.engine.clear_answers import CLEAR_ANSWERS
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.helpers import free_port, wait_until
 
 
 def _get(url: str) -> dict:
@@ -32,29 +26,25 @@ def _get(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def _wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError("server did not become healthy")
+def _is_healthy(proc: subprocess.Popen, base: str) -> bool:
+    assert proc.poll() is None, f"server exited with {proc.returncode}"
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "disagg.cli", "serve", "--model", str(default_model_dir)]
     cmd += ["--port", str(port), "--num-threads", "1", "--num-blocks", "256"]
     cmd += ["--served-model-name", "smollm2-135m", "--max-model-len", "2048"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, base, timeout_s=120)
+        wait_until(lambda: _is_healthy(proc, base), "the server to answer /health", 120)
         yield base
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -69,14 +59,15 @@ def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=60, max_retries=0)
 
 
-def _wait_pool_full(base: str, timeout_s: float = 15) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = _get(f"{base}/load")
-        if load["num_free_blocks"] == load["num_total_blocks"] and not load["num_running"]:
-            return load
-        assert time.monotonic() < deadline, f"blocks not freed: {load}"
-        time.sleep(0.1)
+def _idle_load(base: str) -> dict | None:
+    """The server's /load once every block is free and nothing runs; None before."""
+    load = _get(f"{base}/load")
+    is_idle = load["num_free_blocks"] == load["num_total_blocks"] and not load["num_running"]
+    return load if is_idle else None
+
+
+def _wait_pool_full(base: str) -> dict:
+    return wait_until(lambda: _idle_load(base), "the server frees every block", 15.0)
 
 
 @pytest.mark.parametrize(("question", "answer"), CLEAR_ANSWERS)

@@ -1,5 +1,5 @@
 """Logprobs on the OpenAI API: parsing and validation (400 naming the field), the response
-shapes of both endpoints, and the live app over a FakeEngine, streamed and not."""
+shapes of both endpoints, and the live app over a ScriptedEngine, streamed and not."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from disagg.server.openai_responses import LogprobEntry, chat_logprobs, completi
 from disagg.server.output_processor import OutputProcessor
 from disagg.server.tokenizer import Tokenizer
 from tests.server.conftest import OUTPUT_TEXT
-from tests.server.fakes import FakeEngine, ServerThread
+from tests.server.fakes import ScriptedEngine, ServerThread
 from tests.server.test_app import _client, _post, _sse
 
-Serve = Callable[..., tuple[FakeEngine, ServerThread]]
+Serve = Callable[..., tuple[ScriptedEngine, ServerThread]]
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 # ---------------------------------------------------------------------------- parsing

@@ -6,7 +6,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,8 @@ import requests
 from disagg.config import EngineConfig
 from disagg.security import auth
 from disagg.server import main
-from tests.server.fakes import FakeEngine, wait_until
+from tests.helpers import free_port, wait_until
+from tests.server.fakes import ScriptedEngine
 
 _TOKEN = "serve-tests-cluster-token"
 
@@ -57,8 +57,8 @@ def test_bad_flags() -> None:
     assert main.run(_parse("--block-size", "3")) == 2  # config validation -> exit 2
 
 
-class _FakeAsyncEngine(FakeEngine):
-    """AsyncEngine's lifecycle over FakeEngine."""
+class _FakeAsyncEngine(ScriptedEngine):
+    """AsyncEngine's lifecycle over ScriptedEngine."""
 
     instances: list[_FakeAsyncEngine] = []
 
@@ -87,12 +87,6 @@ class _FakeAsyncEngine(FakeEngine):
         return {"/kv/ping": ping}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_serve_until_sigterm(
     monkeypatch: pytest.MonkeyPatch, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -102,13 +96,13 @@ def test_serve_until_sigterm(
     async_engine.AsyncEngine = _FakeAsyncEngine  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "disagg.engine.checkpoint", checkpoint)
     monkeypatch.setitem(sys.modules, "disagg.engine.async_engine", async_engine)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     seen: dict[str, Any] = {}
 
     def client() -> None:
         try:
-            wait_until(lambda: _is_up(url), timeout_s=10)
+            wait_until(lambda: _is_up(url), "the server to answer /health")
             body = {"prompt": "Paris", "max_tokens": 2}
             seen["completion"] = requests.post(f"{url}/v1/completions", json=body, timeout=5)
             data = b'{"n": 1}'
@@ -155,7 +149,8 @@ def test_serve_logs_the_dtype_it_computes_in(tiny_qwen3_dir: Path, tmp_path: Pat
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
     try:
-        wait_until(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None, 180)
+        wait_until(lambda: b"ready on" in log_path.read_bytes() or proc.poll() is not None,
+                   "serve to print its ready line or exit", 180)  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(timeout=30)

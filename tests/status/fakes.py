@@ -18,7 +18,7 @@ from disagg.server.metrics import ServerMetrics
 from disagg.status.answer import Answer
 
 __all__ = [
-    "FakeEngine",
+    "FixedLoadEngine",
     "down",
     "instance_answers",
     "json_answer",
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-class FakeEngine:
+class FixedLoadEngine:
     """What ServerMetrics reads of an engine: load() and kv_info(), fixed."""
 
     def __init__(self, load: Mapping[str, int], kv_info: Mapping[str, Any]) -> None:
@@ -57,7 +57,7 @@ def make_load(
 
 
 def render_server_metrics(
-    engine: FakeEngine, breakdowns: list[TTFTBreakdown], finish_reasons: list[str]
+    engine: FixedLoadEngine, breakdowns: list[TTFTBreakdown], finish_reasons: list[str]
 ) -> str:
     """An instance's /metrics after it finished one request per breakdown (arrival at 0 s,
     first token at 0.5 s, finish at 1.5 s, 11 output tokens)."""
@@ -90,7 +90,7 @@ def down(reason: str = "[Errno 111] Connection refused") -> Answer:
 
 
 def instance_answers(
-    engine: FakeEngine, breakdowns: list[TTFTBreakdown], finish_reasons: list[str]
+    engine: FixedLoadEngine, breakdowns: list[TTFTBreakdown], finish_reasons: list[str]
 ) -> dict[str, Answer]:
     """A healthy instance's four answers, consistent with each other."""
     text = render_server_metrics(engine, breakdowns, finish_reasons)

@@ -21,7 +21,7 @@ from disagg.protocol import TTFTBreakdown
 from disagg.router.metrics import RouterMetrics
 from disagg.server.metrics import ServerMetrics
 from disagg.status.snapshot import METRIC_NAMES, STAGES
-from tests.status.fakes import FakeEngine, make_load
+from tests.status.fakes import FixedLoadEngine, make_load
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "disagg.json"
 _METRIC = re.compile(r"\bdisagg_[a-z0-9_]+\b")
@@ -31,7 +31,7 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 def _registries() -> list[CollectorRegistry]:
     """Both registries, with every connector counter present (they appear once counted)."""
     stats = dict.fromkeys(_STAT_NAMES, 0)
-    engine = FakeEngine(make_load(), {"role": "decode", "connector": "pull", "stats": stats})
+    engine = FixedLoadEngine(make_load(), {"role": "decode", "connector": "pull", "stats": stats})
     return [ServerMetrics(engine).registry, RouterMetrics().registry]  # type: ignore[arg-type]
 
 

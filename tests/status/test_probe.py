@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import select
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,8 @@ from disagg import cli
 from disagg.protocol import TTFTBreakdown
 from disagg.status.answer import Answer
 from disagg.status.probe import fetch, take_snapshot
-from tests.status.fakes import FakeEngine, instance_answers, make_load, router_answers
+from tests.helpers import free_port
+from tests.status.fakes import FixedLoadEngine, instance_answers, make_load, router_answers
 
 DELAY_PATH = "/slow"
 
@@ -59,9 +59,7 @@ def canned_server(answers: Mapping[str, Answer]) -> Iterator[str]:
 
 def closed_port_url() -> str:
     """A URL nothing listens on (the port was free a moment ago)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture
@@ -69,7 +67,7 @@ def router_url() -> Iterator[str]:
     """A router listing one answering decode instance and one that is down."""
     kv_info = {"role": "decode", "connector": "push", "transport": "tcp",
                "stats": {"transfers": 4, "transfers_failed": 0}}  # fmt: skip
-    engine = FakeEngine(make_load(running=1, free=10, total=16), kv_info)
+    engine = FixedLoadEngine(make_load(running=1, free=10, total=16), kv_info)
     breakdown = TTFTBreakdown(transfer_s=0.05, first_step_s=0.01)
     dead = closed_port_url()
     with canned_server(instance_answers(engine, [breakdown], ["length"])) as decode:

@@ -18,7 +18,7 @@ from disagg.status.snapshot import (
     parse_instance_list,
 )
 from tests.status.fakes import (
-    FakeEngine,
+    FixedLoadEngine,
     down,
     instance_answers,
     json_answer,
@@ -40,9 +40,9 @@ D_BREAKDOWNS = [
 ]  # fmt: skip
 
 
-def decode_engine() -> FakeEngine:
+def decode_engine() -> FixedLoadEngine:
     kv_info = {"role": "decode", "connector": "pull", "transport": "tcp", "stats": STATS}
-    return FakeEngine(make_load(running=2, waiting=1, free=40, total=64), kv_info)
+    return FixedLoadEngine(make_load(running=2, waiting=1, free=40, total=64), kv_info)
 
 
 def test_decode_instance_counters_blocks_and_stage_means():
@@ -69,7 +69,7 @@ def test_decode_instance_counters_blocks_and_stage_means():
 
 
 def test_aggregated_instance_has_no_kv_counters():
-    engine = FakeEngine(make_load(), {"role": "both", "model": "m"})
+    engine = FixedLoadEngine(make_load(), {"role": "both", "model": "m"})
     breakdown = TTFTBreakdown(queue_s=0.01, prefill_s=0.2)
     inst = build_instance(
         RouterRow("http://h:1", "both", True), instance_answers(engine, [breakdown], ["stop"])
@@ -84,7 +84,7 @@ def test_a_draining_instance_is_shown_draining_while_it_still_answers():
         json_answer([{"url": "http://a:1", "role": "both", "healthy": True, "draining": True}])
     )
     assert rows == [RouterRow("http://a:1", "both", True, is_draining=True)]
-    engine = FakeEngine(make_load(), {"role": "both", "model": "m"})
+    engine = FixedLoadEngine(make_load(), {"role": "both", "model": "m"})
     inst = build_instance(rows[0], instance_answers(engine, [], []))
     assert inst.health == "draining" and inst.num_blocks_total is not None
     gone = dict.fromkeys(("/health", "/load", "/kv_info", "/metrics"), down("refused"))
