@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
-from disagg.kv.transport.local import buffer_view, check_region, check_transfer_args
+from disagg.kv.transport.local import buffer_view
 from disagg.kv.transport.tcp_auth import admit
 from disagg.kv.transport.tcp_link import Job, PeerLink, Region
 from disagg.kv.transport.tcp_wire import (
@@ -88,11 +88,8 @@ class TcpTransport(Transport):
     # ---- setup ----------------------------------------------------------------------------
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
-        check_region(num_blocks, block_nbytes)
         with self._lock:
-            self._check_open()
-            if self._region is not None:
-                raise TransportError(f"{self.name}: register() called twice")
+            self._check_register(self._region, num_blocks, block_nbytes)
             view = buffer_view(base_addr, num_blocks * block_nbytes)
             self._region = Region(view, num_blocks, block_nbytes)
 
@@ -109,11 +106,7 @@ class TcpTransport(Transport):
         info, addr = _unpack_metadata(metadata)
         with self._lock:
             self._check_open()
-            block_nbytes = self._region_or_raise().block_nbytes
-            if info.block_nbytes != block_nbytes:
-                raise TransportError(
-                    f"peer {info.name!r} has {info.block_nbytes}-byte blocks, we {block_nbytes}"
-                )
+            self._check_peer_blocks(info, self._region_or_raise().block_nbytes)
             if self._link_metadata.get(info.name) == metadata:
                 return info
             old = self._links.pop(info.name, None)
@@ -139,10 +132,9 @@ class TcpTransport(Transport):
         self, op: Op, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes
     ) -> int:
         with self._lock:
-            self._check_open()
-            link = self._link(peer)
+            link = self._known(self._links, peer, "peer")
             num_local = self._region_or_raise().num_blocks
-            check_transfer_args(local_ids, remote_ids, num_local, link.info.num_blocks)
+            self._check_transfer(local_ids, remote_ids, num_local, link.info.num_blocks)
             handle = next(self._handle_ids)
             self._xfers[handle] = (TransferState.PROC, len(local_ids))
         code = OP_READ if op is Op.READ else OP_WRITE
@@ -162,25 +154,24 @@ class TcpTransport(Transport):
 
     def poll(self, handle: int) -> TransferState:
         with self._lock:
-            return self._xfer(handle)[0]
+            return self._known(self._xfers, handle, "handle")[0]
 
     def release(self, handle: int) -> None:
         with self._lock:
-            if self._xfer(handle)[0] is TransferState.PROC:
+            if self._known(self._xfers, handle, "handle")[0] is TransferState.PROC:
                 raise TransportError(f"{self.name}: release of transfer {handle} still in flight")
             del self._xfers[handle]
 
     def num_descriptors(self, handle: int) -> int:
         with self._lock:
-            return self._xfer(handle)[1]
+            return self._known(self._xfers, handle, "handle")[1]
 
     # ---- notifications --------------------------------------------------------------------
 
     def send_notif(self, peer: str, notif: bytes) -> None:
         """Queued behind earlier posts to the same peer; waits until the peer has it."""
         with self._lock:
-            self._check_open()
-            link = self._link(peer)
+            link = self._known(self._links, peer, "peer")
         job = Job(OP_NOTIF, [], [], bytes(notif))
         link.submit(job)
         if not job.done.wait(2 * self.io_timeout_s):
@@ -324,25 +315,10 @@ class TcpTransport(Transport):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise TransportError(f"{self.name}: transport is closed")
-
     def _region_or_raise(self) -> Region:
         if self._region is None or self._is_closed:
             raise TransportError(f"{self.name}: no KV buffer registered (or closed)")
         return self._region
-
-    def _link(self, peer: str) -> PeerLink:
-        if peer not in self._links:
-            raise TransportError(f"{self.name}: unknown peer {peer!r}")
-        return self._links[peer]
-
-    def _xfer(self, handle: int) -> tuple[TransferState, int]:
-        self._check_open()
-        if handle not in self._xfers:
-            raise TransportError(f"{self.name}: unknown handle {handle}")
-        return self._xfers[handle]
 
 
 def _unpack_metadata(metadata: bytes) -> tuple[PeerInfo, tuple[str, int]]:
