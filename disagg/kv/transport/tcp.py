@@ -112,10 +112,10 @@ class TcpTransport(Transport):
             old = self._links.pop(info.name, None)
             if old is not None:  # restarted peer: its old address is stale
                 old.stop()
-            self._links[info.name] = PeerLink(
-                self.name, info, addr, self.io_timeout_s, self._secret,
-                self._region_or_raise, self._finish,
-            )  # fmt: skip
+            link = PeerLink(self.name, info, addr, self.io_timeout_s, self._secret,
+                            self._region_or_raise, self._finish)  # fmt: skip
+            link.start()
+            self._links[info.name] = link
             self._link_metadata[info.name] = metadata
         return info
 

@@ -71,6 +71,9 @@ class PeerLink:
         self.thread = threading.Thread(
             target=self._work, name=f"kv-tcp-{name}->{info.name}", daemon=True
         )
+
+    def start(self) -> None:
+        """Start the worker thread; jobs submitted before it wait in the queue."""
         self.thread.start()
 
     def submit(self, job: Job) -> None:
