@@ -18,21 +18,11 @@ import threading
 
 import numpy as np
 
+import disagg.kv.transport.tcp_wire as wire
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 from disagg.kv.transport.local import buffer_view
 from disagg.kv.transport.tcp_auth import admit
 from disagg.kv.transport.tcp_link import Job, PeerLink, Region
-from disagg.kv.transport.tcp_wire import (
-    OP_NOTIF,
-    OP_READ,
-    OP_WRITE,
-    REPLY,
-    REQUEST,
-    recv_exact,
-    recv_into_all,
-    send_all,
-    send_reply,
-)
 
 __all__ = ["TcpTransport"]
 
@@ -137,7 +127,7 @@ class TcpTransport(Transport):
             self._check_transfer(local_ids, remote_ids, num_local, link.info.num_blocks)
             handle = next(self._handle_ids)
             self._xfers[handle] = (TransferState.PROC, len(local_ids))
-        code = OP_READ if op is Op.READ else OP_WRITE
+        code = wire.OP_READ if op is Op.READ else wire.OP_WRITE
         link.submit(Job(code, list(local_ids), list(remote_ids), bytes(notif), handle))
         return handle
 
@@ -172,7 +162,7 @@ class TcpTransport(Transport):
         """Queued behind earlier posts to the same peer; waits until the peer has it."""
         with self._lock:
             link = self._known(self._links, peer, "peer")
-        job = Job(OP_NOTIF, [], [], bytes(notif))
+        job = Job(wire.OP_NOTIF, [], [], bytes(notif))
         link.submit(job)
         if not job.done.wait(2 * self.io_timeout_s):
             raise TransportError(f"{self.name}: send_notif to {peer!r} timed out")
@@ -241,7 +231,7 @@ class TcpTransport(Transport):
         except TransportError as exc:  # a bad request: tell the initiator, then hang up
             logger.warning("%s: refused a request: %s", self.name, exc)
             try:
-                send_reply(sock, str(exc))
+                wire.send_reply(sock, str(exc))
             except OSError:
                 pass
         except OSError as exc:  # the initiator went away or stalled past io_timeout_s
@@ -254,26 +244,26 @@ class TcpTransport(Transport):
     def _serve_one(self, sock: socket.socket) -> bool:
         """Serve one request; False when the initiator closed the connection cleanly."""
         sock.settimeout(None)  # an idle connection between requests is normal
-        header = sock.recv(REQUEST.size, socket.MSG_WAITALL)
+        header = sock.recv(wire.REQUEST.size, socket.MSG_WAITALL)
         if not header:
             return False
-        if len(header) < REQUEST.size:
+        if len(header) < wire.REQUEST.size:
             raise ConnectionError("connection closed mid-header")
         sock.settimeout(self.io_timeout_s)
-        op, name_len, num_ids, notif_len = REQUEST.unpack(header)
-        body = recv_exact(sock, name_len + 4 * num_ids + notif_len)
+        op, name_len, num_ids, notif_len = wire.REQUEST.unpack(header)
+        body = wire.recv_exact(sock, name_len + 4 * num_ids + notif_len)
         sender = body[:name_len].decode()
         block_ids = np.frombuffer(body, ">u4", num_ids, name_len).tolist()
         notif = body[name_len + 4 * num_ids :]
-        if op == OP_READ:
-            send_all(sock, [REPLY.pack(0, 0), *self._served_blocks(block_ids)])
-        elif op == OP_WRITE:
-            recv_into_all(sock, self._served_blocks(block_ids))
+        if op == wire.OP_READ:
+            wire.send_all(sock, [wire.REPLY.pack(0, 0), *self._served_blocks(block_ids)])
+        elif op == wire.OP_WRITE:
+            wire.recv_into_all(sock, self._served_blocks(block_ids))
             self._deliver(sender, notif)  # only now: the bytes are in our buffer
-            send_reply(sock)
-        elif op == OP_NOTIF:
+            wire.send_reply(sock)
+        elif op == wire.OP_NOTIF:
             self._deliver(sender, notif)
-            send_reply(sock)
+            wire.send_reply(sock)
         else:
             raise TransportError(f"unknown request op {op}")
         return True
