@@ -1,9 +1,8 @@
 """Fault injection for tests and drills: a hook, not product config (no flag, no config field).
 
-The connector factory reads one environment variable, `DISAGG_KV_FAULTS`, holding a JSON object
-of `KVFaults` fields, e.g. `{"fail_transfer": true}` or `{"register_delay_s": 1.0}`. It is per
-process: give it to the one instance that should misbehave (a child's environment), never to a
-whole cluster by accident. Unset or empty, nothing is injected.
+The connector factory reads one environment variable, `DISAGG_KV_FAULTS`: a JSON object of
+`KVFaults` fields, e.g. `{"fail_transfer": true}`; unset or empty, nothing is injected. It is
+per process: put it in the environment of the one instance that should misbehave.
 """
 
 from __future__ import annotations
@@ -33,15 +32,10 @@ class KVFaults:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> KVFaults:
         """The faults `environ[FAULTS_ENV]` names; ValueError naming the variable if bad."""
-        raw = environ.get(FAULTS_ENV, "")
-        if not raw:
-            return cls()
-        try:
-            return cls(**json.loads(raw))  # an unknown field is a TypeError
+        try:  # an unknown field is a TypeError
+            return cls(**json.loads(environ.get(FAULTS_ENV) or "{}"))
         except (ValueError, TypeError) as exc:
-            raise ValueError(
-                f"{FAULTS_ENV} must be a JSON object of KVFaults fields: {exc}"
-            ) from exc
+            raise ValueError(f"bad {FAULTS_ENV} (a JSON object of KVFaults fields): {exc}") from exc
 
     def as_env(self) -> dict[str, str]:
         """The environment entry that hands these faults to a child process."""

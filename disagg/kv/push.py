@@ -84,9 +84,7 @@ class PushWorker(ConnectorBase):
             self.receiver.reserve(receive)
         for send in meta.sends:
             self.writer.prefill_done(send)
-        for request_id in meta.aborts:
-            # True if a write into (or out of) the blocks may still be in flight: that side
-            # reports `settled` once it is not.
+        for request_id in meta.aborts:  # a side with a write in flight settles it later
             if not (self.writer.abort(request_id) or self.receiver.abort(request_id)):
                 self.report(settled=request_id)  # nothing can land: the blocks go now
 
