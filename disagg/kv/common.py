@@ -165,8 +165,7 @@ class ConnectorBase(KVConnectorWorker):
         self._listener: threading.Thread | None = None  # started by start()
 
     def start(self) -> None:
-        """Start the notification listener. Whoever builds the connector calls it once, after
-        construction, so every subclass's state exists before a thread reads it."""
+        """Start the listener; the builder calls it once all subclass state exists."""
         self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
         self._listener.start()
 

@@ -2,13 +2,12 @@
 
 `PushScheduler` (pure): a decode request's reserved blocks become a receive, a finished
 prefill with a transfer id a send, for the worker.
-`PushWorker` (transport, threads, side channel) hands each side's work to its half, as pull
-hands reads to its reader; it never asks which role it serves:
-- decode side (push_receiver.py): reserved blocks are registered with P from a call thread;
-  P's `write_done` notification ends the reservation, a set lookup on the loop.
-- prefill side (push_writer.py): a `kv-push-writer` thread matches registrations with finished
-  prefills in either order, posts the WRITE the moment both are known, polls it, and frees P's
-  blocks when it settles. Neither engine loop ever blocks on a transfer.
+`PushWorker` (transport, threads, side channel) never asks which role it serves: as pull hands
+reads to its reader, it hands decode-side work to its receiver (push_receiver.py: reserved
+blocks registered with P from a call thread, ended by P's `write_done`) and prefill-side work
+to its writer (push_writer.py: the `kv-push-writer` thread pairs registrations with finished
+prefills in either order, writes, frees P's blocks when it settles). Neither engine loop ever
+blocks on a transfer.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from disagg.protocol import KVTransferParams
 __all__ = ["PushScheduler", "PushWorker"]
 
 _MAX_REGISTRATION_TTL_S = 3600.0  # a registration P keeps longer than this is a mistake
-_NOTIFY_POLL_S = 0.0005  # decode side: slowest poll for write_done while a reservation waits
+_NOTIFY_POLL_S = 0.0005  # slowest poll while a reservation waits: write_done is on the TTFT path
 
 
 # ================================================================== scheduler half (pure)
@@ -73,7 +72,6 @@ class PushWorker(ConnectorBase):
         }
 
     def listen_cap_s(self) -> float:
-        # A reservation's write_done is on the TTFT path: poll for it at least every 0.5 ms.
         return _NOTIFY_POLL_S if self.receiver.has_pending() else super().listen_cap_s()
 
     # ------------------------------------------------------------------ engine loop

@@ -1,10 +1,9 @@
 """Decode side of push: the reservations that prefill instances write into.
 
-Per reservation: the engine loop hands over the blocks it reserved (`reserve`), a call thread
-registers them with P (handshake first on first contact), and P's `write_done` notification
-(listener thread) ends it. A reservation P never fills fails after a deadline; one that failed
-or was aborted keeps its blocks until P confirms (a `/kv/cancel`, or P gone) that no write can
-still land, and only then reports them `settled`. Never blocks the engine loop on I/O.
+The engine loop hands over the blocks it reserved (`reserve`), a call thread registers them
+with P (handshake first on first contact), P's `write_done` (listener thread) ends it. One that
+failed (deadline, registration) or was aborted keeps its blocks until P confirms (`/kv/cancel`,
+or P gone) that no write can land, then reports them `settled`. No I/O on the engine loop.
 
     ACTIVE --(write_done | write_failed)------------------------------> removed
       |--(deadline | registration failed)--> FAILED --(abort)--.

@@ -37,10 +37,10 @@ _LOG_REFUSAL_EVERY = 100  # a flood must not flood the log too: the first, then 
 
 
 class TcpTransport(Transport):
-    """KV blocks over plain TCP sockets; the listener starts at construction so notifications
-    can arrive before register(). With a `secret`, only peers holding the same one are served
-    or sent to; None (or "") means no handshake proof, and then peers must have none either.
-    At most `max_num_connections` accepted connections are served at once."""
+    """KV blocks over plain TCP sockets; the listener binds at construction and serves from
+    start() on (before register(): notifications may come first). With a `secret`, only peers
+    holding the same one are served or sent to; None (or "") means no handshake proof, and then
+    peers must have none either. At most `max_num_connections` connections are served at once."""
 
     def __init__(
         self,
@@ -73,6 +73,9 @@ class TcpTransport(Transport):
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-tcp-listen-{name}", daemon=True
         )
+
+    def start(self) -> None:
+        """Start accepting connections (make_transport calls it)."""
         self._accept_thread.start()
 
     # ---- setup ----------------------------------------------------------------------------
@@ -301,7 +304,8 @@ class TcpTransport(Transport):
                 pass
         self._listener.close()
         for thread in [self._accept_thread, *threads, *(link.thread for link in links)]:
-            thread.join(timeout=2.0)
+            if thread.ident is not None:  # started
+                thread.join(timeout=2.0)
 
     # ---- helpers --------------------------------------------------------------------------
 
