@@ -2,8 +2,9 @@
 
 Starts, all on 127.0.0.1 (port 0, one torch thread each, every child dies with this process):
 an aggregated reference instance; a push cluster (prefill + 2 decode, one with policy
-recompute) and a pull cluster (prefill + 3 decode: plain, recompute with `--kv-fault
-fail_transfer`, and fail_transfer with policy fail), each behind `disagg route`. Then
+recompute) and a pull cluster (prefill + 3 decode: plain, recompute with every transfer
+failing (the fail_transfer test hook, kv/faults.py), and fail_transfer with policy fail), each
+behind `disagg route`. Then
 --concurrency client threads loop for --duration-s, each picking at random: a greedy completion
 (token-id prompt, streamed or not, via either router) whose 200 must match the reference
 instance's text; a client that hangs up mid-stream; or a bad input (a rotating list) that must
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from child_procs import make_tiny_model
-from soak_cluster import PLAN, Child, start_children, stop_children
+from soak_cluster import FAULTY, PLAN, Child, start_children, stop_children
 from soak_load import run_load, warm_up
 from soak_report import print_table, report
 from soak_state import Soak
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: _shown_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     # Where this machine kept things is no result: the record names no local path.
     config["cpus"], config["log_dir"] = os.cpu_count(), "(a temporary directory)"
-    config["plan"] = [" ".join([n, role, *extra]) for n, role, _, extra in PLAN]
+    config["plan"] = [" ".join([n, role, *extra, *(["fail_transfer"] if n in FAULTY else [])])
+                      for n, role, _, extra in PLAN]  # fmt: skip
     command = shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]])
     return {"command": command, "config": config, "results": result}
 

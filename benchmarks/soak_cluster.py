@@ -18,9 +18,12 @@ from pathlib import Path
 from child_procs import HOST, START_TIMEOUT_S, die_with_parent, proc_status, ready_url, reap
 from soak_http import request
 
+from disagg.kv.faults import KVFaults
+
 ROUTER_MAX_BYTES = 256 * 1024  # the routers' body limit; "huge body" goes past it
 API_KEY = "soak-" + secrets.token_urlsafe(16)  # router-push's, from $DISAGG_API_KEY
-RECOMPUTE, FAULT = ("--failure-policy", "recompute"), ("--kv-fault", "fail_transfer")
+RECOMPUTE = ("--failure-policy", "recompute")
+FAULTY = {"pull-decode-1", "pull-decode-2"}  # every transfer they start fails (kv/faults.py)
 PLAN = [  # name, role, connector, extra flags
     ("reference", "both", "", ()),
     ("push-prefill", "prefill", "push", ()),
@@ -28,8 +31,8 @@ PLAN = [  # name, role, connector, extra flags
     ("push-decode-1", "decode", "push", RECOMPUTE),
     ("pull-prefill", "prefill", "pull", ()),
     ("pull-decode-0", "decode", "pull", ()),
-    ("pull-decode-1", "decode", "pull", RECOMPUTE + FAULT),  # always recomputes
-    ("pull-decode-2", "decode", "pull", FAULT),  # always fails, with an error
+    ("pull-decode-1", "decode", "pull", RECOMPUTE),  # faulty: always recomputes
+    ("pull-decode-2", "decode", "pull", ()),  # faulty: always fails, with an error
 ]
 VICTIM = "push-decode-0"
 
@@ -42,6 +45,8 @@ class Child:
     ) -> None:
         self.name, self.url, self.log_path = name, "", log_dir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if name in FAULTY:  # this child only: the hook is read from its own environment
+            env.update(KVFaults(fail_transfer=True).as_env())
         env["DISAGG_CLUSTER_TOKEN"] = token  # the cluster secret, as `disagg up` hands it over
         env.pop("DISAGG_API_KEY", None)
         if api_key:

@@ -192,9 +192,6 @@ class KVTransferConfig:
     # Pull, decode side: where descriptors are built and the READ posted and polled.
     # inline = on the engine loop (vLLM's pull); background = on its own thread.
     pull_setup: PullSetup = "background"
-    # Fault injection for tests and drills: "" | "fail_transfer" (every transfer this instance
-    # starts fails) | "delay_register:SECONDS" (push: D registers its blocks late).
-    fault: str = ""
     # The cluster's shared secret: signs internal calls, authenticates KV peers (never logged).
     cluster_token: str = field(default="", repr=False)
     # Internal TLS: the CA (PEM) peers' and the router's certificates chain to. Set, the KV side
@@ -210,16 +207,6 @@ class KVTransferConfig:
         _check_choice("pull_setup", self.pull_setup, PullSetup)
         _check_positive(self, "lease_s", "reservation_timeout_s", "transfer_timeout_s")
         _check_token(f"a {self.role} instance", self.cluster_token, is_required=self.role != "both")
-        if not (self.fault in ("", "fail_transfer") or self.fault.startswith("delay_register:")):
-            raise ValueError(
-                f"fault must be '', fail_transfer or delay_register:S, got {self.fault!r}"
-            )
-
-    @property
-    def register_delay_s(self) -> float:
-        return (
-            float(self.fault.split(":", 1)[1]) if self.fault.startswith("delay_register:") else 0.0
-        )
 
     @property
     def is_disaggregated(self) -> bool:

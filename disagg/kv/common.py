@@ -2,12 +2,14 @@
 (handshake with a compatibility check), peer bookkeeping, the notification listener thread,
 thread-safe reporting to the engine loop, and transfer statistics.
 
-Subclasses implement the KVConnector hooks; nothing here decides when bytes move.
+Subclasses implement the KVConnector hooks; nothing here decides when bytes move. Lifecycle:
+construct (no thread runs yet) -> start() (the listener; subclasses add their own) -> close().
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import ssl
@@ -24,7 +26,8 @@ from typing import Any
 from disagg.config import EngineConfig
 from disagg.engine.kv_connector import KVConnectorWorker
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
-from disagg.kv.handshake import KV_LAYOUT, Compat, b64, decode_message, unb64
+from disagg.kv.faults import KVFaults
+from disagg.kv.handshake import KV_LAYOUT, Compat, decode_message
 from disagg.kv.transport import TransportError, make_transport, resolve_kind
 from disagg.security import auth
 from disagg.security.tls import client_context, scheme
@@ -116,15 +119,17 @@ def _model_fingerprint(runner: Any) -> str:
 
 
 class ConnectorBase(KVConnectorWorker):
-    def __init__(self, config: EngineConfig, runner: Any, *, wake: Any = None) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: Any, *, wake: Any = None, faults: KVFaults | None = None
+    ) -> None:
         kv = config.kv_transfer
         self.config = config
         self.kv_config = kv
         self.role = kv.role
-        self.mode = kv.connector
         self.block_size = config.cache.block_size
         self.identity = KVIdentity(kv.engine_id or f"{kv.role}-{uuid.uuid4().hex[:12]}", kv.host)
         self._wake = wake or (lambda: None)
+        self.faults = faults or KVFaults()  # a test hook (kv/faults.py): none in production
         self.secret = kv.cluster_token  # signs the side channel; authenticates tcp peers
         self.side_tls = client_context(kv.tls_ca_file)  # None: peers' side channels are http
         self.transport_kind = resolve_kind(kv.transport)  # "auto" becomes what this host has
@@ -144,7 +149,7 @@ class ConnectorBase(KVConnectorWorker):
             block_size=self.block_size,
             block_nbytes=runner.block_nbytes,
             layout=KV_LAYOUT,
-            connector=self.mode,
+            connector=kv.connector,
             transport=self.transport_kind,
         )
         self._lock = threading.Lock()
@@ -157,7 +162,10 @@ class ConnectorBase(KVConnectorWorker):
         self.calls = ThreadPoolExecutor(_NUM_CALL_THREADS, thread_name_prefix="kv-call")
         self.stats: dict[str, float] = dict.fromkeys(_STAT_NAMES, 0)
         self._stopping = threading.Event()
-        self.listen_cap_s = _LISTEN_SLOW_S  # slowest notification poll while something pends
+        self._listener: threading.Thread | None = None  # started by start()
+
+    def start(self) -> None:
+        """Start the listener; the builder calls it once all subclass state exists."""
         self._listener = threading.Thread(target=self._listen, name="kv-listener", daemon=True)
         self._listener.start()
 
@@ -166,14 +174,6 @@ class ConnectorBase(KVConnectorWorker):
     @property
     def engine_id(self) -> str:
         return self.identity.engine_id
-
-    @property
-    def host(self) -> str:
-        return self.identity.host
-
-    @property
-    def port(self) -> int | None:
-        return self.identity.port
 
     def side_url(self, host: str, port: int) -> str:
         """A peer's side channel: its HTTP port, over TLS when the cluster runs it."""
@@ -187,10 +187,10 @@ class ConnectorBase(KVConnectorWorker):
         return {
             "engine_id": self.engine_id,
             "role": self.role,
-            "connector": self.mode,
+            "connector": self.kv_config.connector,
             "transport": self.transport_kind,
-            "kv_host": self.host,
-            "kv_port": self.port,
+            "kv_host": self.identity.host,
+            "kv_port": self.identity.port,
             "block_size": self.block_size,
             "model": self.config.model_name,
             "compat": self.compat.to_dict(),
@@ -209,7 +209,7 @@ class ConnectorBase(KVConnectorWorker):
         """A peer introduces itself: check compatibility, learn its transport metadata."""
         try:
             theirs = Compat.from_dict(body["compat"])
-            metadata = unb64(body["metadata"])
+            metadata = base64.b64decode(body["metadata"])
         except (ValueError, KeyError, TypeError) as exc:
             raise SideChannelError(400, f"bad handshake: {exc}") from exc
         reason = self.compat.mismatch(theirs, mine=self.role, theirs=str(body.get("role", "peer")))
@@ -228,7 +228,7 @@ class ConnectorBase(KVConnectorWorker):
             "engine_id": self.engine_id,
             "role": self.role,
             "compat": self.compat.to_dict(),
-            "metadata": b64(self.transport.metadata()),
+            "metadata": base64.b64encode(self.transport.metadata()).decode(),
         }
 
     def ensure_peer(self, engine_id: str, host: str, port: int) -> Future[str]:
@@ -256,7 +256,7 @@ class ConnectorBase(KVConnectorWorker):
         if reason is not None:
             raise HandshakeError(reason)
         try:
-            name = self.transport.add_peer(unb64(answer["metadata"])).name
+            name = self.transport.add_peer(base64.b64decode(answer["metadata"])).name
         except TransportError as exc:
             raise HandshakeError(f"cannot reach {engine_id}'s transport: {exc}") from exc
         self.stats["handshakes"] += 1
@@ -343,20 +343,20 @@ class ConnectorBase(KVConnectorWorker):
                 except (ValueError, TypeError, KeyError) as exc:  # a malformed field
                     log.warning("dropped a malformed %r message from %s: %r",
                                 message.get("kind"), peer, exc)  # fmt: skip
-            self.on_tick()
-            interval = _LISTEN_FAST_S if notifs else min(interval * 2, self.listen_cap_s)
-            # Subclasses create what has_pending() reads before ConnectorBase.__init__ runs.
+            interval = _LISTEN_FAST_S if notifs else min(interval * 2, self.listen_cap_s())
             self._stopping.wait(interval if self.has_pending() else _IDLE_LISTEN_INTERVAL_S)
 
     def on_message(self, peer: str, message: dict[str, Any]) -> None:
         """A notification from a peer (listener thread)."""
 
-    def on_tick(self) -> None:
-        """Periodic work on the listener thread (deadlines, polling)."""
+    def listen_cap_s(self) -> float:
+        """The slowest notification poll while something is pending."""
+        return _LISTEN_SLOW_S
 
     def close(self) -> None:
         self._stopping.set()
-        self._listener.join(timeout=5)
+        if self._listener is not None:
+            self._listener.join(timeout=5)
         self._control.shutdown(wait=False, cancel_futures=True)
         self.calls.shutdown(wait=False, cancel_futures=True)
         self._handshakes.shutdown(wait=False, cancel_futures=True)
@@ -364,22 +364,11 @@ class ConnectorBase(KVConnectorWorker):
 
 
 _STAT_NAMES = (
-    "handshakes",
-    "handshakes_refused",
-    "handshake_s_total",
-    "transfers",
-    "transfers_failed",
-    "blocks",
-    "bytes",
-    "descriptors",
-    "transfer_s_total",
-    "post_s_total",
-    "expired_leases",
-    "expired_reservations",
-    "registrations_before_ready",
-    "registrations_after_ready",
+    "handshakes", "handshakes_refused", "handshake_s_total", "transfers", "transfers_failed",
+    "blocks", "bytes", "descriptors", "transfer_s_total", "post_s_total", "expired_leases",
+    "expired_reservations", "registrations_before_ready", "registrations_after_ready",
     "registrations_refused",
-)
+)  # fmt: skip
 
 
 class SideChannelError(Exception):

@@ -6,12 +6,11 @@ notification messages that ride on transfers (`read_done`, `write_done`, `write_
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Compat", "decode_message", "encode_message", "b64", "unb64"]
+__all__ = ["Compat", "decode_message", "encode_message"]
 
 KV_LAYOUT = "blocks[num_blocks,num_layers,2,num_kv_heads,block_size,head_dim]/v2"
 
@@ -55,11 +54,3 @@ def decode_message(raw: bytes) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return message if isinstance(message, dict) and "kind" in message else None
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode())

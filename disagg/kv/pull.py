@@ -80,8 +80,9 @@ class _Lease:  # prefill side
 
 class PullWorker(ConnectorBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Before the base starts the listener thread, which calls has_pending().
-        self._reader: PullReader | None = None  # decode side, made once the base is up
+        super().__init__(*args, **kwargs)
+        is_background = self.kv_config.pull_setup == "background"
+        self.reader = PullReader(self, is_background=is_background, stopping=self._stopping)
         # Prefill side: request id -> lease. D may READ the blocks at any time until the lease
         # ends (read_done or expiry), even after we aborted the request: one-sided reads.
         self._leases: dict[str, _Lease] = {}
@@ -89,14 +90,10 @@ class PullWorker(ConnectorBase):
         # router releases when its client leaves mid P leg, maybe while our loop is still in
         # the step that finishes the prefill: the lease made then must end at once.
         self._early_releases: dict[str, float] = {}
-        super().__init__(*args, **kwargs)
-        is_background = self.kv_config.pull_setup == "background"
-        self._reader = PullReader(self, is_background=is_background, stopping=self._stopping)
 
-    @property
-    def reader(self) -> PullReader:
-        assert self._reader is not None
-        return self._reader
+    def start(self) -> None:
+        super().start()
+        self.reader.start()
 
     # ------------------------------------------------------------------ engine loop
 
@@ -240,8 +237,7 @@ class PullWorker(ConnectorBase):
         return not self.reader.is_background and self.reader.has_work()
 
     def has_pending(self) -> bool:
-        reader = self._reader  # None while the base class starts the listener
-        return bool(self._leases) or (reader is not None and reader.has_work())
+        return bool(self._leases) or self.reader.has_work()
 
     def close(self) -> None:
         super().close()  # sets _stopping: the reader's thread ends too

@@ -65,8 +65,11 @@ class PullReader:
         self._in_flight: dict[str, Load] = {}  # READ posted
         self._zombies: dict[str, Load] = {}  # failed or aborted, READ may still land
         self._stopping = stopping
-        self._thread: threading.Thread | None = None
-        if is_background:
+        self._thread: threading.Thread | None = None  # background only, from start()
+
+    def start(self) -> None:
+        """Background: start the reader's thread (inline, the engine loop steps it)."""
+        if self.is_background:
             self._thread = threading.Thread(target=self._run, name="kv-pull-reader", daemon=True)
             self._thread.start()
 
@@ -142,8 +145,7 @@ class PullReader:
             return
         notif = encode_message("read_done", request_id=load.remote_request_id)
         try:
-            if self._base.kv_config.fault == "fail_transfer":
-                raise TransportError("injected transfer failure (fault=fail_transfer)")
+            self._base.faults.check_transfer()
             load.handle = self._base.transport.post(
                 Op.READ, load.peer.result(), load.local_ids, load.remote_ids, notif
             )

@@ -9,19 +9,29 @@ are released (`report(sent=...)`) when it settles. It never runs on an engine lo
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from disagg.engine.kv_connector import KVSend
 from disagg.kv.common import ConnectorBase
 from disagg.kv.handshake import encode_message
 from disagg.kv.transport import Op, TransferState, TransportError
 
-__all__ = ["PushWriter"]
+__all__ = ["CancelOutcome", "PushWriter"]
 
 _WRITER_POLL_S = 0.0005  # poll period while writes are in flight
+_IDLE_WAIT_S = 0.05  # nothing to pair or poll: sleep until an input arrives
+
+
+class CancelOutcome(enum.StrEnum):
+    """How a `/kv/cancel` ended (its answer's `state`): either way no write can land now."""
+
+    DONE = "done"  # a write was in flight and has settled
+    DROPPED = "dropped"  # no write had started: the registration is forgotten
 
 
 @dataclass(slots=True, eq=False)
@@ -49,7 +59,7 @@ class _Write:  # a posted WRITE
     handle: int | None  # None while the writer is posting it
     block_ids: list[int]  # ours, read by the WRITE
     posted_s: float
-    aborted: bool = False
+    is_aborted: bool = False  # the request is gone: its blocks are `settled`, not `sent`
     waiters: list[Callable[[], None]] = field(default_factory=list)  # cancels awaiting settle
 
 
@@ -64,24 +74,25 @@ class PushWriter:
         self._writes: dict[str, _Write] = {}  # transfer id -> WRITE in flight
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
         self._thread = threading.Thread(target=self._loop, name="kv-push-writer", daemon=True)
+
+    def start(self) -> None:
+        """Start the `kv-push-writer` thread; it ends when `stopping` is set."""
         self._thread.start()
 
     # ------------------------------------------------------------------ inputs
 
-    def prefill_done(
-        self,
-        tid: str,
-        request_id: str,
-        block_ids: list[int],
-        first_token_id: int,
-        decode_engine_id: str | None,
-    ) -> None:
+    def prefill_done(self, send: KVSend) -> None:
         """Engine loop: the prefill finished; its blocks stay held until the write settles.
-        Only `decode_engine_id` (named by the router) may receive this transfer's KV."""
+        Only the decode instance the router named (`remote_engine_id`) may take the KV."""
+        tid, decode_engine_id = send.params.transfer_id, send.params.remote_engine_id
+        assert tid, "push sends only prefills with a transfer id (PushScheduler.accepts)"
+        blocks = list(send.block_ids)
         with self._lock:
             now = time.monotonic()
-            self._ready[tid] = _Ready(request_id, block_ids, first_token_id, now, decode_engine_id)
-            self._transfer_of[request_id] = tid
+            self._ready[tid] = _Ready(
+                send.request_id, blocks, send.first_token_id, now, decode_engine_id
+            )
+            self._transfer_of[send.request_id] = tid
             key = "registrations_before_ready" if tid in self._regs else "registrations_after_ready"
             self._base.stats[key] += 1
             self._lock.notify()
@@ -93,17 +104,18 @@ class PushWriter:
             self._regs[tid] = _Registration(peer, block_ids, now, now + ttl_s)
             self._lock.notify()
 
-    async def cancel(self, tid: str, timeout_s: float) -> str:
+    async def cancel(self, tid: str, timeout_s: float) -> CancelOutcome:
         """HTTP handler: answers once no write for `tid` can land in D's blocks any more."""
         loop = asyncio.get_running_loop()
-        settled: asyncio.Future[str] = loop.create_future()
+        settled: asyncio.Future[CancelOutcome] = loop.create_future()
+        done = CancelOutcome.DONE
         with self._lock:
             write = self._writes.get(tid)
             if write is not None:
-                write.waiters.append(lambda: loop.call_soon_threadsafe(_resolve, settled, "done"))
+                write.waiters.append(lambda: loop.call_soon_threadsafe(_resolve, settled, done))
             else:
                 self._regs.pop(tid, None)
-                settled.set_result("dropped")
+                settled.set_result(CancelOutcome.DROPPED)
         return await asyncio.wait_for(settled, timeout_s)
 
     def abort(self, request_id: str) -> bool:
@@ -114,7 +126,7 @@ class PushWriter:
                 return False
             write = self._writes.get(tid)
             if write is not None:
-                write.aborted = True
+                write.is_aborted = True
                 return True
             self._ready.pop(tid, None)
             reg = self._regs.pop(tid, None)
@@ -147,7 +159,7 @@ class PushWriter:
                 jobs = self._take_pairs()
                 busy = bool(self._writes)
                 if not jobs and not busy:
-                    self._lock.wait(0.05)
+                    self._lock.wait(_IDLE_WAIT_S)
             for write, ready, reg in jobs:
                 self._post(write, ready, reg)
             self._poll()
@@ -190,8 +202,7 @@ class PushWriter:
                     f"decode registered {len(reg.block_ids)} blocks, "
                     f"prefill has {len(ready.block_ids)}"
                 )
-            if base.kv_config.fault == "fail_transfer":
-                raise TransportError("injected transfer failure (fault=fail_transfer)")
+            base.faults.check_transfer()
             handle = base.transport.post(
                 Op.WRITE, reg.peer, ready.block_ids, reg.block_ids, message
             )
@@ -228,7 +239,7 @@ class PushWriter:
             message = encode_message("write_failed", transfer_id=write.transfer_id, reason=reason)
             # A decode instance that is gone has its reservation deadline to cover it.
             self._base.notify_quietly(write.peer, message)
-        if write.aborted:
+        if write.is_aborted:
             self._base.report(settled=write.request_id)  # the blocks wait in `draining`
         else:
             self._base.report(sent=write.request_id)  # P's blocks are free either way
@@ -249,6 +260,6 @@ class PushWriter:
             self._base.report(sent=ready.request_id)
 
 
-def _resolve(future: asyncio.Future[str], value: str) -> None:
+def _resolve(future: asyncio.Future[CancelOutcome], value: CancelOutcome) -> None:
     if not future.done():
         future.set_result(value)

@@ -91,8 +91,6 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
     (KVTransferConfig, "transport", "--kv-transport",
      "KV transfer library: auto = nixl when installed (pip install 'disagg[nixl]'), else tcp"),
     (KVTransferConfig, "host", "--kv-host", "address peers reach this instance's KV on"),
-    (KVTransferConfig, "fault", "--kv-fault",
-     "fault injection for drills: fail_transfer or delay_register:SECONDS"),
     (KVTransferConfig, "engine_id", "--engine-id",
      "this instance's name among its peers (default: derived at start)"),
     (KVTransferConfig, "lease_s", "--lease-s",

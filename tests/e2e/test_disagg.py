@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg.kv.faults import KVFaults
 from tests.conftest import write_tiny
 from tests.e2e.client import (
     OpenStream,
@@ -100,8 +101,8 @@ def _start_extras(
     """The decode instances the pair-specific tests below need, by their key."""
     common = {"role": "decode", "connector": mode, "transport": transport}
     if mode == "push":
-        late = ["--kv-fault", "delay_register:1.0"]
-        return {"late": cluster.serve(f"decode-late-{transport}", args=late, **common)}
+        late = KVFaults(register_delay_s=1.0).as_env()
+        return {"late": cluster.serve(f"decode-late-{transport}", env=late, **common)}
     if mode != "pull" or transport != "nixl":
         return {}
     three_layers = request.getfixturevalue("three_layer_dir")
@@ -231,7 +232,7 @@ def test_push_registration_before_prefill_ends(pair: Pair, reference: Reference)
 
 @pytest.mark.parametrize("pair", [PUSH_NIXL, PUSH_TCP], indirect=True, ids=_pair_id)
 def test_push_registration_after_prefill_ends(pair: Pair, cluster: Cluster, reference: Reference):
-    """A decode instance that registers 1 s late (fault delay_register:1.0): P finishes first
+    """A decode instance that registers 1 s late (fault register_delay_s=1.0): P finishes first
     and holds its blocks for the late registration (registrations_after_ready +1), output right."""
     late = pair.extras["late"]
     router = cluster.route("router-late", [pair.prefill], [late], mode="push")

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from disagg.kv.faults import KVFaults
 from tests.e2e.client import complete, completion_body, prompt_ids, run_all
 from tests.e2e.cluster import Cluster, Reference, assert_pools_full
 from tests.helpers import wait_until
@@ -73,7 +74,7 @@ def test_a_slow_registration_holds_up_no_other(cluster: Cluster, reference: Refe
     requests took four delays. They run side by side now: all four in about one delay."""
     prefill = cluster.serve("p-fifo", role="prefill", connector="push", transport="tcp")
     decode = cluster.serve("d-slow", role="decode", connector="push", transport="tcp",
-                           args=["--kv-fault", f"delay_register:{REGISTER_DELAY_S}"])  # fmt: skip
+                           env=KVFaults(register_delay_s=REGISTER_DELAY_S).as_env())  # fmt: skip
     cluster.wait_ready(prefill, decode)
     router = cluster.route("r-fifo", [prefill], [decode], mode="push")
     bodies = [completion_body(prompt_ids(110 + i, 30), 4) for i in range(4)]

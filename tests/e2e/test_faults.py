@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from disagg.kv.faults import KVFaults
 from disagg.protocol import KVTransferParams
 from disagg.router.call import prefill_body, push_params
 from tests.e2e.client import (
@@ -42,6 +43,7 @@ RESERVATION_S = 3.0  # D's deadline for a write that never comes
 # see a request mid-prefill and kill a peer then.
 SLOW_PREFILL_ARGS = ("--max-num-batched-tokens", "16")
 LONG_PROMPT_TOKENS = 3000
+FAIL_TRANSFERS = KVFaults(fail_transfer=True).as_env()  # a faulty instance's environment
 
 
 # ---- fixtures --------------------------------------------------------------------------------
@@ -70,14 +72,25 @@ def _start_faulty(
     prefill_args: list[str],
     decode_args: list[str],
     num_victims: int = 0,
+    *,
+    faulty: str,
 ) -> Faulty:
-    prefill = cluster.serve(f"prefill-{mode}", role="prefill", connector=mode, args=prefill_args)
-    fail = cluster.serve(f"decode-{mode}-fail", role="decode", connector=mode, args=decode_args)
+    """`faulty` ("prefill" or "decode") names the side whose transfers all fail."""
+    prefill_env, decode_env = (
+        (FAIL_TRANSFERS, None) if faulty == "prefill" else (None, FAIL_TRANSFERS)
+    )
+    prefill = cluster.serve(
+        f"prefill-{mode}", role="prefill", connector=mode, args=prefill_args, env=prefill_env
+    )
+    fail = cluster.serve(
+        f"decode-{mode}-fail", role="decode", connector=mode, args=decode_args, env=decode_env
+    )
     recompute = cluster.serve(
         f"decode-{mode}-recompute",
         role="decode",
         connector=mode,
         args=[*decode_args, "--failure-policy", "recompute"],
+        env=decode_env,
     )
     victims = tuple(
         cluster.serve(f"decode-{mode}-victim", role="decode", connector=mode)
@@ -93,9 +106,7 @@ def _start_faulty(
 def pull(cluster: Cluster, aggregated: Proc) -> Iterator[Faulty]:
     """Pull: P leases blocks for 2 s; two decode instances fail every READ they start, a third
     (plain) is there to be killed."""
-    faulty = _start_faulty(
-        cluster, "pull", ["--lease-s", str(LEASE_S)], ["--kv-fault", "fail_transfer"], 1
-    )
+    faulty = _start_faulty(cluster, "pull", ["--lease-s", str(LEASE_S)], [], 1, faulty="decode")
     yield faulty
     cluster.stop(faulty.to_fail, faulty.to_recompute, *faulty.instances, *faulty.victims)
 
@@ -104,10 +115,7 @@ def pull(cluster: Cluster, aggregated: Proc) -> Iterator[Faulty]:
 def push(cluster: Cluster, aggregated: Proc) -> Iterator[Faulty]:
     """Push: P fails every WRITE it starts; decode reservations expire after 3 s."""
     faulty = _start_faulty(
-        cluster,
-        "push",
-        ["--kv-fault", "fail_transfer"],
-        ["--reservation-timeout-s", str(RESERVATION_S)],
+        cluster, "push", [], ["--reservation-timeout-s", str(RESERVATION_S)], faulty="prefill"
     )
     yield faulty
     cluster.stop(faulty.to_fail, faulty.to_recompute, *faulty.instances, *faulty.victims)

@@ -1,5 +1,6 @@
 """Fakes for the connectors' state machines: a transport whose transfers finish when a test
-says so, and the connector surface (`base`) that PullReader and PushWriter report through."""
+says so, the connector surface (`base`) that PullReader and PushWriter report through, and a
+real connector worker over the local transport (`make_worker`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
+
+from disagg.config import CacheConfig, EngineConfig, KVTransferConfig
 from disagg.engine.outputs import KVConnectorOutput, KVFailure
+from disagg.kv.faults import KVFaults
 from disagg.kv.transport import Op, TransferState, TransportError
 
 
@@ -69,7 +74,8 @@ class FakeBase:
 
     transport: FakeTransport = field(default_factory=FakeTransport)
     kv_config: Any = field(default_factory=lambda: SimpleNamespace(
-        fault="", transfer_timeout_s=5.0, lease_s=30.0))  # fmt: skip
+        transfer_timeout_s=5.0, lease_s=30.0))  # fmt: skip
+    faults: KVFaults = field(default_factory=KVFaults)
     stats: dict[str, float] = field(default_factory=lambda: _zero_stats())
     reports: KVConnectorOutput = field(default_factory=KVConnectorOutput)
     released: list[str] = field(default_factory=list)  # pull: /kv/release sent for these
@@ -117,3 +123,19 @@ def ready_peer(name: str = "p") -> Future[str]:
     peer: Future[str] = Future()
     peer.set_result(name)
     return peer
+
+
+_Worker = TypeVar("_Worker")
+
+
+def make_worker(cls: type[_Worker], **kv: Any) -> tuple[_Worker, np.ndarray]:
+    """A connector worker (not started) over the local transport, on an 8-block KV buffer of
+    1 KiB blocks that the caller keeps alive; `kv` are KVTransferConfig fields."""
+    buffer = np.zeros(8 * 1024, np.uint8)
+    spec = SimpleNamespace(architecture="qwen3", num_layers=1, num_kv_heads=1, head_dim=8,
+                           vocab_size=64, hidden_size=8)  # fmt: skip
+    runner = SimpleNamespace(kv_base_addr=buffer.ctypes.data, num_blocks=8, block_nbytes=1024,
+                             dtype_name="float32", spec=spec)  # fmt: skip
+    kv_transfer = KVTransferConfig(transport="local", cluster_token="t" * 16, **kv)
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=8), kv_transfer=kv_transfer)
+    return cls(config, runner), buffer  # type: ignore[call-arg]

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_connector import KVConnectorMeta, KVSend
 from disagg.engine.outputs import KVConnectorOutput
@@ -19,38 +18,17 @@ from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
 from disagg.kv.pull import PullScheduler, PullWorker
 from disagg.protocol import KV_RELEASE_PATH, KVTransferParams, SamplingParams
+from tests.kv.fakes import make_worker
 
 
 def _connector(
     setup: str, policy: str = "fail", role: str = "decode"
 ) -> tuple[PullWorker, np.ndarray]:
-    buffer = np.zeros(8 * 1024, np.uint8)
-    runner = SimpleNamespace(
-        kv_base_addr=buffer.ctypes.data,
-        num_blocks=8,
-        block_nbytes=1024,
-        dtype_name="float32",
-        spec=SimpleNamespace(
-            architecture="qwen3",
-            num_layers=1,
-            num_kv_heads=1,
-            head_dim=8,
-            vocab_size=64,
-            hidden_size=8,
-        ),
+    worker, buffer = make_worker(
+        PullWorker, role=role, connector="pull", pull_setup=setup, failure_policy=policy
     )
-    config = EngineConfig(
-        cache=CacheConfig(block_size=4, num_blocks=8),
-        kv_transfer=KVTransferConfig(
-            role=role,
-            connector="pull",
-            transport="local",
-            cluster_token="t" * 16,
-            pull_setup=setup,
-            failure_policy=policy,
-        ),
-    )
-    return PullWorker(config, runner), buffer
+    worker.start()  # as the factory does
+    return worker, buffer
 
 
 def _request(lease_s: float, age_s: float) -> Request:

@@ -116,6 +116,7 @@ def test_background_reader_needs_no_engine_loop() -> None:
     and the loop's share of the handoff stays unmeasured (zero)."""
     base, stopping = FakeBase(), threading.Event()
     reader = PullReader(base, is_background=True, stopping=stopping)
+    reader.start()
     try:
         load = _load()
         reader.add([load])

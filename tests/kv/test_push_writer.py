@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from disagg.engine.kv_connector import KVSend
 from disagg.kv.handshake import decode_message
 from disagg.kv.push_writer import PushWriter
 from disagg.kv.transport import Op, TransferState
+from disagg.protocol import KVTransferParams
 from tests.kv.fakes import FakeBase
 
 
@@ -23,6 +25,7 @@ from tests.kv.fakes import FakeBase
 def writer() -> Iterator[tuple[PushWriter, FakeBase]]:
     base, stopping, control = FakeBase(), threading.Event(), ThreadPoolExecutor(1)
     push_writer = PushWriter(base, control, stopping)  # type: ignore[arg-type]
+    push_writer.start()
     yield push_writer, base
     stopping.set()
     control.shutdown(wait=True)
@@ -32,7 +35,7 @@ def writer() -> Iterator[tuple[PushWriter, FakeBase]]:
 def test_write_in_either_order_then_free_on_settle(writer, registration_first: bool) -> None:
     push_writer, base = writer
     register = lambda: push_writer.register("t1", "decode-1", [10, 11], 30.0)  # noqa: E731
-    ready = lambda: push_writer.prefill_done("t1", "r1", [1, 2], 42, "decode-1")  # noqa: E731
+    ready = lambda: push_writer.prefill_done(_send("t1", "r1", [1, 2], 42, "decode-1"))  # noqa: E731
     for step in (register, ready) if registration_first else (ready, register):
         step()
     handle = _wait(lambda: next(iter(base.transport.posted), None))
@@ -50,7 +53,7 @@ def test_write_in_either_order_then_free_on_settle(writer, registration_first: b
 def test_registration_from_another_decode_instance_is_refused(writer) -> None:
     """Only the decode instance the router named may receive the KV (stat +1, no write)."""
     push_writer, base = writer
-    push_writer.prefill_done("t1", "r1", [1, 2], 42, "decode-1")
+    push_writer.prefill_done(_send("t1", "r1", [1, 2], 42, "decode-1"))
     push_writer.register("t1", "impostor", [10, 11], 30.0)
     _wait(lambda: base.stats["registrations_refused"] == 1)
     assert not base.transport.posted
@@ -62,7 +65,7 @@ def test_registration_from_another_decode_instance_is_refused(writer) -> None:
 def test_a_failed_write_tells_decode_and_frees(writer) -> None:
     push_writer, base = writer
     push_writer.register("t1", "decode-1", [10, 11], 30.0)
-    push_writer.prefill_done("t1", "r1", [1, 2], 42, "decode-1")
+    push_writer.prefill_done(_send("t1", "r1", [1, 2], 42, "decode-1"))
     handle = _wait(lambda: next(iter(base.transport.posted), None))
     base.transport.finish(handle, TransferState.ERR)
     _wait(lambda: base.reports.finished_sending == {"r1"})
@@ -75,7 +78,7 @@ def test_abort_mid_write_settles_instead_of_sending(writer) -> None:
     (the scheduler holds them in draining) only once the write ends."""
     push_writer, base = writer
     push_writer.register("t1", "decode-1", [10, 11], 30.0)
-    push_writer.prefill_done("t1", "r1", [1, 2], 42, "decode-1")
+    push_writer.prefill_done(_send("t1", "r1", [1, 2], 42, "decode-1"))
     handle = _wait(lambda: next(iter(base.transport.posted), None))
     assert push_writer.abort("r1") is True
     time.sleep(0.02)
@@ -89,7 +92,7 @@ def test_abort_before_the_registration_frees_at_once_and_tells_decode(writer) ->
     push_writer, base = writer
     push_writer.register("t1", "decode-1", [10, 11], 30.0)
     push_writer.abort("unknown")  # harmless
-    push_writer.prefill_done("t2", "r2", [1], 5, None)
+    push_writer.prefill_done(_send("t2", "r2", [1], 5, None))
     assert push_writer.abort("r2") is False  # nothing in flight: the scheduler frees now
     assert not push_writer.has_pending()
 
@@ -97,7 +100,7 @@ def test_abort_before_the_registration_frees_at_once_and_tells_decode(writer) ->
 def test_cancel_answers_only_once_the_write_settled(writer) -> None:
     push_writer, base = writer
     push_writer.register("t1", "decode-1", [10, 11], 30.0)
-    push_writer.prefill_done("t1", "r1", [1, 2], 42, "decode-1")
+    push_writer.prefill_done(_send("t1", "r1", [1, 2], 42, "decode-1"))
     handle = _wait(lambda: next(iter(base.transport.posted), None))
 
     async def cancel_then_finish() -> str:
@@ -117,3 +120,11 @@ def _wait(get: Callable[[], Any], timeout_s: float = 5.0) -> Any:
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
     return value
+
+
+def _send(
+    tid: str, request_id: str, block_ids: list[int], first: int, decode: str | None
+) -> KVSend:
+    """A finished prefill as the push scheduler hands it over, for `decode` only."""
+    params = KVTransferParams(do_remote_decode=True, transfer_id=tid, remote_engine_id=decode)
+    return KVSend(request_id, tuple(block_ids), first, params)

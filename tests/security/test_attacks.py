@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 
+from disagg.kv.faults import KVFaults
 from disagg.router.call import push_params
 from disagg.security import auth
 from tests.e2e.client import CLUSTER_TOKEN, complete, completion_body, prompt_ids
@@ -50,15 +51,19 @@ class Target:
 
 @pytest.fixture(scope="module")
 def target(cluster: Cluster) -> Target:
-    def serve(name: str, role: str, connector: str = "pull", *args: str) -> Proc:
-        return cluster.serve(name, role=role, connector=connector, transport="tcp", args=args)
+    def serve(
+        name: str, role: str, connector: str = "pull", *args: str, env: dict[str, str] | None = None
+    ) -> Proc:
+        return cluster.serve(
+            name, role=role, connector=connector, transport="tcp", args=args, env=env
+        )
 
     aggregated = serve("aggregated", "both", "pull", "--api-key", API_KEY)
     push_p, push_d = serve("push-p", "prefill", "push"), serve("push-d", "decode", "push")
     pull_p, pull_d = serve("pull-p", "prefill"), serve("pull-d", "decode")
-    slow_args = ("--reservation-timeout-s", str(RESERVATION_S),
-                 "--kv-fault", f"delay_register:{REGISTER_DELAY_S}")  # fmt: skip
-    slow_d = serve("slow-d", "decode", "push", *slow_args)
+    slow_env = KVFaults(register_delay_s=REGISTER_DELAY_S).as_env()  # it registers late
+    slow_d = serve("slow-d", "decode", "push", "--reservation-timeout-s", str(RESERVATION_S),
+                   env=slow_env)  # fmt: skip
     cluster.wait_ready()
     routers = (
         cluster.route("push-router", [push_p], [push_d], mode="push", args=["--api-key", API_KEY]),

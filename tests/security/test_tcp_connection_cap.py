@@ -36,6 +36,7 @@ def transports() -> Iterator[list[TcpTransport]]:
 
 def _transport(made: list[TcpTransport], name: str, **kwargs: object) -> TcpTransport:
     transport = TcpTransport(name, io_timeout_s=IO_TIMEOUT_S, secret=SECRET, **kwargs)  # type: ignore[arg-type]
+    transport.start()
     buffer = make_buffer()
     transport.register(buffer.ctypes.data, NUM_BLOCKS, BLOCK_NBYTES)
     transport._test_buffer = buffer  # type: ignore[attr-defined]  # kept alive with it

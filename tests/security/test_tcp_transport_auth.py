@@ -35,6 +35,7 @@ class Node:
         self.buffer = make_buffer()
         self.buffer[:] = pattern(seed)
         self.transport = TcpTransport(name, io_timeout_s=IO_TIMEOUT_S, secret=secret)
+        self.transport.start()
         self.transport.register(self.buffer.ctypes.data, NUM_BLOCKS, BLOCK_NBYTES)
 
     @property

@@ -33,7 +33,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_build_configs() -> None:
     args = _parse(
-        "--model", "m", "--port", "0", "--kv-host", "10.0.0.1", "--kv-fault", "fail_transfer",
+        "--model", "m", "--port", "0", "--kv-host", "10.0.0.1",
         "--role", "decode", "--kv-connector", "push", "--no-prefix-caching",
         "--block-size", "32", "--max-model-len", "512", "--lease-s", "2.5",
         "--cluster-token", _TOKEN,
@@ -41,9 +41,7 @@ def test_flags_build_configs() -> None:
     engine, server = main.build_configs(args)
     assert (engine.model, server.port, server.host) == ("m", 0, "127.0.0.1")
     kv = engine.kv_transfer
-    assert (kv.host, kv.fault, kv.role, kv.connector, kv.lease_s) == (
-        "10.0.0.1", "fail_transfer", "decode", "push", 2.5,
-    )  # fmt: skip
+    assert (kv.host, kv.role, kv.connector, kv.lease_s) == ("10.0.0.1", "decode", "push", 2.5)
     assert kv.cluster_token == _TOKEN and _TOKEN not in repr(engine)  # never logged
     assert engine.scheduler.enable_prefix_caching is False
     assert (engine.cache.block_size, engine.scheduler.max_model_len) == (32, 512)

@@ -65,7 +65,7 @@ def make_transport(
     device: str = "cpu",
     secret: str | None = None,
 ) -> Transport:
-    """A fresh, unregistered transport named `name` (unique per process, e.g. the engine id).
+    """A fresh, unregistered, started transport named `name` (unique per process: engine id).
 
     kind: "auto" | "nixl" | "tcp" | "local" (see resolve_kind). `host` is the address peers
     reach us on (tcp listener; for nixl a loopback host keeps UCX on loopback); local ignores
@@ -84,7 +84,9 @@ def make_transport(
     if kind == "tcp":
         from disagg.kv.transport.tcp import TcpTransport
 
-        return TcpTransport(name, host=host, secret=secret)
+        tcp = TcpTransport(name, host=host, secret=secret)
+        tcp.start()  # its listener thread: peers may connect as soon as they have our metadata
+        return tcp
     if kind == "local":
         from disagg.kv.transport.local import LocalTransport
 

@@ -1,8 +1,8 @@
 """In-process reference transport: a post copies blocks synchronously with memmove.
 
-Owns the process-wide name -> transport registry and the argument checks every transport shares
-(`check_transfer_args`). Used by unit tests and the simulator; it must not spawn threads or touch
-sockets. A peer "dies" when its transport is closed; a new one with the same name is a restart.
+Owns the process-wide name -> transport registry and `buffer_view` (raw memory as bytes). Used
+by unit tests and the simulator; it must not spawn threads or touch sockets. A peer "dies" when
+its transport is closed; a new one with the same name is a restart.
 """
 
 from __future__ import annotations
@@ -12,47 +12,15 @@ import itertools
 import json
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
 
-__all__ = ["LocalTransport", "buffer_view", "check_region", "check_transfer_args"]
+__all__ = ["LocalTransport", "buffer_view"]
 
 _MAGIC = b"DKVL"
 _registry: dict[str, LocalTransport] = {}  # live transports of this process, by name
 _registry_lock = threading.Lock()
-
-
-def check_region(num_blocks: int, block_nbytes: int) -> None:
-    """Raise TransportError unless register() got a non-empty region."""
-    if num_blocks <= 0 or block_nbytes <= 0:
-        raise TransportError(f"bad region: {num_blocks} blocks x {block_nbytes} bytes")
-
-
-def check_transfer_args(
-    local_ids: Sequence[int],
-    remote_ids: Sequence[int],
-    num_local_blocks: int,
-    num_remote_blocks: int,
-) -> None:
-    """Raise TransportError unless both id lists are non-empty, equally long and in range."""
-    if len(local_ids) != len(remote_ids):
-        raise TransportError(
-            f"length mismatch: {len(local_ids)} local ids vs {len(remote_ids)} remote ids"
-        )
-    if len(local_ids) == 0:
-        raise TransportError("a transfer needs at least one block (use send_notif for none)")
-    _check_range(local_ids, num_local_blocks, "local")
-    _check_range(remote_ids, num_remote_blocks, "remote")
-
-
-def _check_range(ids: Sequence[int], num_blocks: int, side: str) -> None:
-    # min/max over the list: ~10 ns per id, negligible next to the transfer itself
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= num_blocks:
-        bad = low if low < 0 else high
-        raise TransportError(f"{side} block id {bad} out of range [0, {num_blocks})")
 
 
 def buffer_view(base_addr: int, nbytes: int) -> memoryview:
@@ -93,10 +61,7 @@ class LocalTransport(Transport):
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
         with self._lock:
-            self._check_open()
-            if self._region is not None:
-                raise TransportError(f"{self.name}: register() called twice")
-            check_region(num_blocks, block_nbytes)
+            self._check_register(self._region, num_blocks, block_nbytes)
             self._region = _Region(base_addr, num_blocks, block_nbytes)
 
     def metadata(self) -> bytes:
@@ -130,12 +95,9 @@ class LocalTransport(Transport):
         self, op: Op, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes
     ) -> int:
         with self._lock:
-            self._check_open()
-            if peer not in self._peers:
-                raise TransportError(f"{self.name}: unknown peer {peer!r}")
-            target, info = self._peers[peer]
+            target, info = self._known(self._peers, peer, "peer")
             region = self._registered()
-            check_transfer_args(local_ids, remote_ids, region.num_blocks, info.num_blocks)
+            self._check_transfer(local_ids, remote_ids, region.num_blocks, info.num_blocks)
             handle = next(self._handle_ids)
         is_done = target._copy(op, self, local_ids, remote_ids, notif)
         state = TransferState.DONE if is_done else TransferState.ERR
@@ -179,10 +141,7 @@ class LocalTransport(Transport):
 
     def send_notif(self, peer: str, notif: bytes) -> None:
         with self._lock:
-            self._check_open()
-            if peer not in self._peers:
-                raise TransportError(f"{self.name}: unknown peer {peer!r}")
-            target = self._peers[peer][0]
+            target = self._known(self._peers, peer, "peer")[0]
         if not target._deliver(self.name, notif):
             raise TransportError(f"{self.name}: peer {peer!r} is gone")
 
@@ -212,16 +171,9 @@ class LocalTransport(Transport):
 
     def _entry(self, handle: int) -> tuple[TransferState, int]:
         with self._lock:
-            self._check_open()
-            if handle not in self._states:
-                raise TransportError(f"{self.name}: unknown handle {handle}")
-            return self._states[handle]
+            return self._known(self._states, handle, "handle")
 
     def _registered(self) -> _Region:
         if self._region is None:
             raise TransportError(f"{self.name}: register() the KV buffer first")
         return self._region
-
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise TransportError(f"{self.name}: transport is closed")

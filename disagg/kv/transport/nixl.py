@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
-from disagg.kv.transport.local import check_region, check_transfer_args
 
 __all__ = ["NixlTransport", "create_nixl_agent", "nixl_api"]
 
@@ -178,11 +177,8 @@ class NixlTransport(Transport):
     # ---- setup ----------------------------------------------------------------------------
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
-        check_region(num_blocks, block_nbytes)
         with self._lock:
-            self._check_open()
-            if self._region is not None:
-                raise TransportError(f"{self.name}: register() called twice")
+            self._check_register(self._region, num_blocks, block_nbytes)
             region = [(base_addr, num_blocks * block_nbytes, self._device_id, "")]
             descs = _block_descs(base_addr, num_blocks, block_nbytes, self._device_id)
             try:
@@ -211,11 +207,7 @@ class NixlTransport(Transport):
         info = remote.info
         with self._lock:
             self._check_open()
-            block_nbytes = self._registered()[2]
-            if info.block_nbytes != block_nbytes:
-                raise TransportError(
-                    f"peer {info.name!r} has {info.block_nbytes}-byte blocks, we {block_nbytes}"
-                )
+            self._check_peer_blocks(info, self._registered()[2])
             old = self._peers.get(info.name)
             if old is not None and old.metadata == metadata:
                 return old.info
@@ -263,9 +255,8 @@ class NixlTransport(Transport):
         self, op: Op, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes
     ) -> int:
         with self._lock:
-            self._check_open()
-            target = self._peer(peer)
-            check_transfer_args(
+            target = self._known(self._peers, peer, "peer")
+            self._check_transfer(
                 local_ids, remote_ids, self._registered()[1], target.info.num_blocks
             )
             handle_id = next(self._handle_ids)
@@ -287,7 +278,7 @@ class NixlTransport(Transport):
 
     def poll(self, handle: int) -> TransferState:
         with self._lock:
-            xfer = self._xfer(handle)
+            xfer = self._known(self._xfers, handle, "handle")
             if xfer.state is TransferState.PROC:
                 try:
                     xfer.state = _STATES[self._agent.check_xfer_state(xfer.handle)]
@@ -321,14 +312,13 @@ class NixlTransport(Transport):
 
     def num_descriptors(self, handle: int) -> int:
         with self._lock:
-            return self._xfer(handle).num_descriptors
+            return self._known(self._xfers, handle, "handle").num_descriptors
 
     # ---- notifications --------------------------------------------------------------------
 
     def send_notif(self, peer: str, notif: bytes) -> None:
         with self._lock:
-            self._check_open()
-            self._peer(peer)  # NIXL can only notify agents whose metadata it loaded
+            self._known(self._peers, peer, "peer")  # NIXL notifies only agents it loaded
             try:
                 self._agent.send_notif(peer, notif)
             except self._errors as exc:
@@ -371,25 +361,10 @@ class NixlTransport(Transport):
 
     # ---- helpers (lock held) --------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise TransportError(f"{self.name}: transport is closed")
-
     def _registered(self) -> tuple[int, int, int]:
         if self._region is None:
             raise TransportError(f"{self.name}: register() the KV buffer first")
         return self._region
-
-    def _peer(self, name: str) -> _Peer:
-        if name not in self._peers:
-            raise TransportError(f"{self.name}: unknown peer {name!r}")
-        return self._peers[name]
-
-    def _xfer(self, handle: int) -> _Xfer:
-        self._check_open()
-        if handle not in self._xfers:
-            raise TransportError(f"{self.name}: unknown handle {handle}")
-        return self._xfers[handle]
 
 
 def _unpack_metadata(metadata: bytes) -> _PeerMetadata:

@@ -18,21 +18,11 @@ import threading
 
 import numpy as np
 
+import disagg.kv.transport.tcp_wire as wire
 from disagg.kv.transport.base import Op, PeerInfo, TransferState, Transport, TransportError
-from disagg.kv.transport.local import buffer_view, check_region, check_transfer_args
+from disagg.kv.transport.local import buffer_view
 from disagg.kv.transport.tcp_auth import admit
 from disagg.kv.transport.tcp_link import Job, PeerLink, Region
-from disagg.kv.transport.tcp_wire import (
-    OP_NOTIF,
-    OP_READ,
-    OP_WRITE,
-    REPLY,
-    REQUEST,
-    recv_exact,
-    recv_into_all,
-    send_all,
-    send_reply,
-)
 
 __all__ = ["TcpTransport"]
 
@@ -47,10 +37,10 @@ _LOG_REFUSAL_EVERY = 100  # a flood must not flood the log too: the first, then 
 
 
 class TcpTransport(Transport):
-    """KV blocks over plain TCP sockets; the listener starts at construction so notifications
-    can arrive before register(). With a `secret`, only peers holding the same one are served
-    or sent to; None (or "") means no handshake proof, and then peers must have none either.
-    At most `max_num_connections` accepted connections are served at once."""
+    """KV blocks over plain TCP sockets; the listener binds at construction and serves from
+    start() on (before register(): notifications may come first). With a `secret`, only peers
+    holding the same one are served or sent to; None (or "") means no handshake proof, and then
+    peers must have none either. At most `max_num_connections` connections are served at once."""
 
     def __init__(
         self,
@@ -83,16 +73,16 @@ class TcpTransport(Transport):
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-tcp-listen-{name}", daemon=True
         )
+
+    def start(self) -> None:
+        """Start accepting connections (make_transport calls it)."""
         self._accept_thread.start()
 
     # ---- setup ----------------------------------------------------------------------------
 
     def register(self, base_addr: int, num_blocks: int, block_nbytes: int) -> None:
-        check_region(num_blocks, block_nbytes)
         with self._lock:
-            self._check_open()
-            if self._region is not None:
-                raise TransportError(f"{self.name}: register() called twice")
+            self._check_register(self._region, num_blocks, block_nbytes)
             view = buffer_view(base_addr, num_blocks * block_nbytes)
             self._region = Region(view, num_blocks, block_nbytes)
 
@@ -109,20 +99,16 @@ class TcpTransport(Transport):
         info, addr = _unpack_metadata(metadata)
         with self._lock:
             self._check_open()
-            block_nbytes = self._region_or_raise().block_nbytes
-            if info.block_nbytes != block_nbytes:
-                raise TransportError(
-                    f"peer {info.name!r} has {info.block_nbytes}-byte blocks, we {block_nbytes}"
-                )
+            self._check_peer_blocks(info, self._region_or_raise().block_nbytes)
             if self._link_metadata.get(info.name) == metadata:
                 return info
             old = self._links.pop(info.name, None)
             if old is not None:  # restarted peer: its old address is stale
                 old.stop()
-            self._links[info.name] = PeerLink(
-                self.name, info, addr, self.io_timeout_s, self._secret,
-                self._region_or_raise, self._finish,
-            )  # fmt: skip
+            link = PeerLink(self.name, info, addr, self.io_timeout_s, self._secret,
+                            self._region_or_raise, self._finish)  # fmt: skip
+            link.start()
+            self._links[info.name] = link
             self._link_metadata[info.name] = metadata
         return info
 
@@ -139,13 +125,12 @@ class TcpTransport(Transport):
         self, op: Op, peer: str, local_ids: list[int], remote_ids: list[int], notif: bytes
     ) -> int:
         with self._lock:
-            self._check_open()
-            link = self._link(peer)
+            link = self._known(self._links, peer, "peer")
             num_local = self._region_or_raise().num_blocks
-            check_transfer_args(local_ids, remote_ids, num_local, link.info.num_blocks)
+            self._check_transfer(local_ids, remote_ids, num_local, link.info.num_blocks)
             handle = next(self._handle_ids)
             self._xfers[handle] = (TransferState.PROC, len(local_ids))
-        code = OP_READ if op is Op.READ else OP_WRITE
+        code = wire.OP_READ if op is Op.READ else wire.OP_WRITE
         link.submit(Job(code, list(local_ids), list(remote_ids), bytes(notif), handle))
         return handle
 
@@ -162,26 +147,25 @@ class TcpTransport(Transport):
 
     def poll(self, handle: int) -> TransferState:
         with self._lock:
-            return self._xfer(handle)[0]
+            return self._known(self._xfers, handle, "handle")[0]
 
     def release(self, handle: int) -> None:
         with self._lock:
-            if self._xfer(handle)[0] is TransferState.PROC:
+            if self._known(self._xfers, handle, "handle")[0] is TransferState.PROC:
                 raise TransportError(f"{self.name}: release of transfer {handle} still in flight")
             del self._xfers[handle]
 
     def num_descriptors(self, handle: int) -> int:
         with self._lock:
-            return self._xfer(handle)[1]
+            return self._known(self._xfers, handle, "handle")[1]
 
     # ---- notifications --------------------------------------------------------------------
 
     def send_notif(self, peer: str, notif: bytes) -> None:
         """Queued behind earlier posts to the same peer; waits until the peer has it."""
         with self._lock:
-            self._check_open()
-            link = self._link(peer)
-        job = Job(OP_NOTIF, [], [], bytes(notif))
+            link = self._known(self._links, peer, "peer")
+        job = Job(wire.OP_NOTIF, [], [], bytes(notif))
         link.submit(job)
         if not job.done.wait(2 * self.io_timeout_s):
             raise TransportError(f"{self.name}: send_notif to {peer!r} timed out")
@@ -250,7 +234,7 @@ class TcpTransport(Transport):
         except TransportError as exc:  # a bad request: tell the initiator, then hang up
             logger.warning("%s: refused a request: %s", self.name, exc)
             try:
-                send_reply(sock, str(exc))
+                wire.send_reply(sock, str(exc))
             except OSError:
                 pass
         except OSError as exc:  # the initiator went away or stalled past io_timeout_s
@@ -263,26 +247,26 @@ class TcpTransport(Transport):
     def _serve_one(self, sock: socket.socket) -> bool:
         """Serve one request; False when the initiator closed the connection cleanly."""
         sock.settimeout(None)  # an idle connection between requests is normal
-        header = sock.recv(REQUEST.size, socket.MSG_WAITALL)
+        header = sock.recv(wire.REQUEST.size, socket.MSG_WAITALL)
         if not header:
             return False
-        if len(header) < REQUEST.size:
+        if len(header) < wire.REQUEST.size:
             raise ConnectionError("connection closed mid-header")
         sock.settimeout(self.io_timeout_s)
-        op, name_len, num_ids, notif_len = REQUEST.unpack(header)
-        body = recv_exact(sock, name_len + 4 * num_ids + notif_len)
+        op, name_len, num_ids, notif_len = wire.REQUEST.unpack(header)
+        body = wire.recv_exact(sock, name_len + 4 * num_ids + notif_len)
         sender = body[:name_len].decode()
         block_ids = np.frombuffer(body, ">u4", num_ids, name_len).tolist()
         notif = body[name_len + 4 * num_ids :]
-        if op == OP_READ:
-            send_all(sock, [REPLY.pack(0, 0), *self._served_blocks(block_ids)])
-        elif op == OP_WRITE:
-            recv_into_all(sock, self._served_blocks(block_ids))
+        if op == wire.OP_READ:
+            wire.send_all(sock, [wire.REPLY.pack(0, 0), *self._served_blocks(block_ids)])
+        elif op == wire.OP_WRITE:
+            wire.recv_into_all(sock, self._served_blocks(block_ids))
             self._deliver(sender, notif)  # only now: the bytes are in our buffer
-            send_reply(sock)
-        elif op == OP_NOTIF:
+            wire.send_reply(sock)
+        elif op == wire.OP_NOTIF:
             self._deliver(sender, notif)
-            send_reply(sock)
+            wire.send_reply(sock)
         else:
             raise TransportError(f"unknown request op {op}")
         return True
@@ -320,29 +304,15 @@ class TcpTransport(Transport):
                 pass
         self._listener.close()
         for thread in [self._accept_thread, *threads, *(link.thread for link in links)]:
-            thread.join(timeout=2.0)
+            if thread.ident is not None:  # started
+                thread.join(timeout=2.0)
 
     # ---- helpers --------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise TransportError(f"{self.name}: transport is closed")
 
     def _region_or_raise(self) -> Region:
         if self._region is None or self._is_closed:
             raise TransportError(f"{self.name}: no KV buffer registered (or closed)")
         return self._region
-
-    def _link(self, peer: str) -> PeerLink:
-        if peer not in self._links:
-            raise TransportError(f"{self.name}: unknown peer {peer!r}")
-        return self._links[peer]
-
-    def _xfer(self, handle: int) -> tuple[TransferState, int]:
-        self._check_open()
-        if handle not in self._xfers:
-            raise TransportError(f"{self.name}: unknown handle {handle}")
-        return self._xfers[handle]
 
 
 def _unpack_metadata(metadata: bytes) -> tuple[PeerInfo, tuple[str, int]]:

@@ -12,17 +12,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import disagg.kv.transport.tcp_wire as wire
 from disagg.kv.transport.base import PeerInfo, TransportError
 from disagg.kv.transport.tcp_auth import authenticate
-from disagg.kv.transport.tcp_wire import (
-    OP_NOTIF,
-    OP_READ,
-    OP_WRITE,
-    encode_request,
-    read_reply,
-    recv_into_all,
-    send_all,
-)
 
 __all__ = ["Job", "PeerLink", "Region"]
 
@@ -40,7 +32,7 @@ class Region:
 
 @dataclass(slots=True)
 class Job:
-    op: int  # OP_READ | OP_WRITE | OP_NOTIF
+    op: int  # wire.OP_READ | OP_WRITE | OP_NOTIF
     local_ids: list[int]
     remote_ids: list[int]
     notif: bytes
@@ -71,6 +63,9 @@ class PeerLink:
         self.thread = threading.Thread(
             target=self._work, name=f"kv-tcp-{name}->{info.name}", daemon=True
         )
+
+    def start(self) -> None:
+        """Start the worker thread; jobs submitted before it wait in the queue."""
         self.thread.start()
 
     def submit(self, job: Job) -> None:
@@ -112,20 +107,20 @@ class PeerLink:
 
     def _run(self, job: Job, sock: socket.socket) -> None:
         name = self.name
-        if job.op == OP_WRITE:
-            request = encode_request(OP_WRITE, name, job.remote_ids, job.notif)
-            send_all(sock, [request, *self._region().blocks(job.local_ids)])
-            read_reply(sock)
+        if job.op == wire.OP_WRITE:
+            request = wire.encode_request(wire.OP_WRITE, name, job.remote_ids, job.notif)
+            wire.send_all(sock, [request, *self._region().blocks(job.local_ids)])
+            wire.read_reply(sock)
             return
-        if job.op == OP_READ:
-            send_all(sock, [encode_request(OP_READ, name, job.remote_ids, b"")])
-            read_reply(sock)
-            recv_into_all(sock, self._region().blocks(job.local_ids))
+        if job.op == wire.OP_READ:
+            wire.send_all(sock, [wire.encode_request(wire.OP_READ, name, job.remote_ids, b"")])
+            wire.read_reply(sock)
+            wire.recv_into_all(sock, self._region().blocks(job.local_ids))
             if not job.notif:
                 return
         # the READ's notif goes only once its bytes have landed here
-        send_all(sock, [encode_request(OP_NOTIF, name, [], job.notif)])
-        read_reply(sock)
+        wire.send_all(sock, [wire.encode_request(wire.OP_NOTIF, name, [], job.notif)])
+        wire.read_reply(sock)
 
     def _connect(self) -> socket.socket:
         if self.sock is None:
