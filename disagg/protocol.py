@@ -291,7 +291,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including new_token_ids
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache or a remote prefill
-    kv_transfer_params: dict[str, Any] | None = None  # returned to the caller when finished
+    # Returned to the caller when finished (a prefill's answer: where its KV is, or which
+    # transfer wrote it); JSON only at the HTTP edge (to_sparse_dict).
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None  # why, when finish_reason is ERROR
     breakdown: TTFTBreakdown = field(default_factory=TTFTBreakdown)
     # One entry per new_token_ids entry when the request asked for logprobs (an entry is None

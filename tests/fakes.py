@@ -101,13 +101,15 @@ class FakeConnector(KVConnectorScheduler):
         meta, self.new_loads = self.new_loads, []
         return meta
 
-    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict:
-        return {"do_remote_prefill": True, "remote_block_ids": block_ids}
+    def finished_params(
+        self, request: Request, block_ids: list[int], first: int
+    ) -> KVTransferParams:
+        return KVTransferParams(do_remote_prefill=True, remote_block_ids=block_ids)
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, object] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         if request.is_remote_decode and request.finish_status.name != "FINISHED_ABORTED":
             self.sending[request.request_id] = self.delay
-            return True, {"do_remote_prefill": True, "remote_block_ids": list(request.block_ids)}
+            return True, self.finished_params(request, list(request.block_ids), 0)
         return False, None
 
     def request_aborted(self, request: Request) -> bool:

@@ -15,6 +15,7 @@ The halves share nothing but those two dataclasses; the engine never knows pull 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,7 @@ class KVConnectorScheduler(abc.ABC):
         )
         self._meta.receives.append(receive)
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         """A prefill finished. (keep_blocks, params): keep means WAITING_FOR_KV_SEND until
         the worker reports it in finished_sending; params go back as kv_transfer_params.
         Decode side, also called for a request that finished before its receive began."""
@@ -117,7 +118,8 @@ class KVConnectorScheduler(abc.ABC):
         if request.output_logprobs and request.output_logprobs[0] is not None:
             # Relayed to the decode instance with first_token_id (pull: the router copies
             # these params into D's leg), so the client gets the first token's logprobs too.
-            answer["first_token_logprobs"] = request.output_logprobs[0].to_dict()
+            first_logprobs = request.output_logprobs[0].to_dict()
+            answer = dataclasses.replace(answer, first_token_logprobs=first_logprobs)
         return True, answer
 
     def request_aborted(self, request: Request) -> bool:
@@ -150,7 +152,9 @@ class KVConnectorScheduler(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict[str, Any]:
+    def finished_params(
+        self, request: Request, block_ids: list[int], first: int
+    ) -> KVTransferParams:
         """The kv_transfer_params a finished prefill returns to the router."""
 
 

@@ -71,7 +71,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     error: str | None = None  # set with FINISHED_ERROR
     finish_status: RequestStatus | None = None  # how it finished (status may then be KV_SEND)
-    kv_result: dict[str, object] | None = None  # kv_transfer_params returned to the caller
+    kv_result: KVTransferParams | None = None  # kv_transfer_params returned to the caller
     needs_remote_kv: bool = False  # decode side: prompt KV still to come from a prefill instance
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
     first_scheduled_s: float | None = None

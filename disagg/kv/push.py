@@ -40,15 +40,17 @@ class PushScheduler(KVConnectorScheduler):
     def accepts(self, params: KVTransferParams) -> bool:
         return bool(params.transfer_id)  # no transfer id: no decode instance awaits the KV
 
-    def finished_params(self, request: Request, block_ids: list[int], first: int) -> dict[str, Any]:
+    def finished_params(
+        self, request: Request, block_ids: list[int], first: int
+    ) -> KVTransferParams:
         assert request.kv_transfer_params is not None
-        return {
-            "transfer_id": request.kv_transfer_params.transfer_id,
-            "remote_engine_id": self.identity.engine_id,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "first_token_id": first,
-            "connector": "push",
-        }
+        return KVTransferParams(
+            transfer_id=request.kv_transfer_params.transfer_id,
+            remote_engine_id=self.identity.engine_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            first_token_id=first,
+            connector="push",
+        )
 
 
 # ================================================================== worker half

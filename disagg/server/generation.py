@@ -84,7 +84,7 @@ class Generation:
         last = self.last_output
         extra: dict[str, Any] = {"disagg": {"breakdown": last.breakdown.to_dict() if last else {}}}
         if last is not None and last.is_finished and last.kv_transfer_params is not None:
-            extra["kv_transfer_params"] = last.kv_transfer_params
+            extra["kv_transfer_params"] = last.kv_transfer_params.to_sparse_dict()
         return extra
 
     def body(self) -> dict[str, Any]:

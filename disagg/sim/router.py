@@ -172,8 +172,8 @@ class SimRouter:
         if output.finish_reason is FinishReason.ERROR:
             self.loop.after(self.hop_s, lambda: self._fail(request, output.error or "prefill"))
         elif self.mode in ("pull", "pull-inline"):
-            assert output.kv_transfer_params is not None
-            params = KVTransferParams.from_dict(dict(output.kv_transfer_params))
+            params = output.kv_transfer_params
+            assert params is not None
             # Late binding: D is chosen when P's answer reaches the router, from live load.
             self.loop.after(self.hop_s, lambda: self._send_decode(request, params))
 

@@ -175,8 +175,7 @@ def test_prefill_answer_carries_first_token_logprobs() -> None:
     [answer] = sched.update(out, runner, 0.0)
     assert answer.kv_transfer_params is not None
     assert (
-        answer.kv_transfer_params["first_token_logprobs"]
-        == runner.logprobs[req.request_id].to_dict()
+        answer.kv_transfer_params.first_token_logprobs == runner.logprobs[req.request_id].to_dict()
     )
 
 

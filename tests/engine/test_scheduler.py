@@ -120,7 +120,7 @@ def test_prefill_then_remote_decode_holds_blocks_until_sent():
     sched.add_request(req)
     _, outputs = run_step(sched, FakeRunner(), connector)  # (1) prefill + first token
     assert outputs[0].finish_reason.value == "length"
-    assert outputs[0].kv_transfer_params["remote_block_ids"] == req.block_ids
+    assert outputs[0].kv_transfer_params.remote_block_ids == req.block_ids
     assert req.status is RequestStatus.WAITING_FOR_KV_SEND
     assert sched.block_pool.num_used_blocks == 3  # held for the decode instance
     drain(sched, FakeRunner(), connector)  # (2) transfer done -> freed

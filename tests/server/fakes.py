@@ -109,7 +109,7 @@ class ScriptedEngine:
     error_after: int = 1  # ... in the delta carrying this many output tokens
     refuse: type[Exception] | None = None  # raised by generate (ValueError, EngineOverloadedError)
     crash_after: int | None = None  # the output iterator raises RuntimeError after this many
-    kv_params_out: dict[str, Any] | None = None
+    kv_params_out: KVTransferParams | None = None
     healthy: bool = True
     submitted: list[Submitted] = field(default_factory=list)
     fenced: list[str] = field(default_factory=list)  # ids fence() refused from then on

@@ -13,6 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.protocol import KVTransferParams
 from disagg.security import auth
 from disagg.server.engine_client import EngineOverloadedError
 from disagg.server.tokenizer import Tokenizer
@@ -174,7 +175,7 @@ def test_stop_string_split_across_tokens_aborts_engine(serve: Serve, tokenizer: 
 
 def test_kv_transfer_params_round_trip(serve: Serve) -> None:
     returned = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "h"}
-    engine, server = serve(kv_params_out=returned)
+    engine, server = serve(kv_params_out=KVTransferParams.from_dict(returned))
     sent = {"do_remote_decode": True, "transfer_id": "t1"}
     body = {"prompt": "Paris", "max_tokens": 1, "kv_transfer_params": sent}
     assert _post(server, "/v1/completions", body).status_code == 403  # only the router's
