@@ -197,7 +197,7 @@ class PullWorker(ConnectorBase):
         """Decode side: the request ended before its READ was set up (aborted while it waited
         for blocks or a seat), so P may free its lease now rather than when it expires."""
         if params.remote_host and params.remote_port and params.remote_request_id:
-            url = f"http://{params.remote_host}:{params.remote_port}{KV_RELEASE_PATH}"
+            url = self.side_url(params.remote_host, params.remote_port) + KV_RELEASE_PATH
             self.calls.submit(self._post_quietly, url, {"request_id": params.remote_request_id})
 
     def _post_quietly(self, url: str, body: dict[str, Any]) -> None:

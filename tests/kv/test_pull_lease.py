@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from concurrent.futures import Future
 
@@ -129,11 +130,16 @@ def test_a_release_that_overtakes_its_lease_ends_the_lease_at_once() -> None:
         connector.close()
 
 
-def test_a_decode_request_aborted_before_its_read_releases_the_prefill_lease() -> None:
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_decode_request_aborted_before_its_read_releases_the_prefill_lease(scheme: str) -> None:
     """Decode side. Regression: a request aborted while it still waited for blocks or a seat
     (its client left at once) never had a READ set up and told P nothing: P held the prompt's
-    blocks until the lease expired (found by hanging up clients at the handoff)."""
+    blocks until the lease expired (found by hanging up clients at the handoff). Under internal
+    TLS the release goes over https, as every side-channel call (regression: it went to
+    http:// and failed quietly, so P waited for the lease)."""
     connector, _ = _connector("background")
+    if scheme == "https":
+        connector.side_tls = ssl.create_default_context()  # what --internal-tls-ca sets
     posted: list[tuple[str, dict[str, object]]] = []
     connector._post_quietly = lambda url, body: posted.append((url, body))  # type: ignore[method-assign]
     try:
@@ -150,6 +156,6 @@ def test_a_decode_request_aborted_before_its_read_releases_the_prefill_lease() -
         while not posted:
             assert time.monotonic() < deadline, "P was never told"
             time.sleep(0.005)
-        assert posted == [(f"http://127.0.0.1:1{KV_RELEASE_PATH}", {"request_id": "r"})]
+        assert posted == [(f"{scheme}://127.0.0.1:1{KV_RELEASE_PATH}", {"request_id": "r"})]
     finally:
         connector.close()
