@@ -101,10 +101,8 @@ class FakeConnector(KVConnectorScheduler):
         meta, self.new_loads = self.new_loads, []
         return meta
 
-    def finished_params(
-        self, request: Request, block_ids: list[int], first: int
-    ) -> KVTransferParams:
-        return KVTransferParams(do_remote_prefill=True, remote_block_ids=block_ids)
+    def finished_params(self, request: Request, blocks: list[int], first: int) -> KVTransferParams:
+        return KVTransferParams(do_remote_prefill=True, remote_block_ids=blocks)
 
     def request_finished(self, request: Request) -> tuple[bool, KVTransferParams | None]:
         if request.is_remote_decode and request.finish_status.name != "FINISHED_ABORTED":

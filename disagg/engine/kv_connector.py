@@ -152,9 +152,7 @@ class KVConnectorScheduler(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def finished_params(
-        self, request: Request, block_ids: list[int], first: int
-    ) -> KVTransferParams:
+    def finished_params(self, request: Request, blocks: list[int], first: int) -> KVTransferParams:
         """The kv_transfer_params a finished prefill returns to the router."""
 
 

@@ -53,15 +53,13 @@ class PullScheduler(KVConnectorScheduler):
         self.identity = identity  # where decode instances find us (port known once we listen)
         self.lease_s = lease_s
 
-    def finished_params(
-        self, request: Request, block_ids: list[int], first: int
-    ) -> KVTransferParams:
+    def finished_params(self, request: Request, blocks: list[int], first: int) -> KVTransferParams:
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.identity.engine_id,
             remote_host=self.identity.host,
             remote_port=self.identity.port,
-            remote_block_ids=block_ids,
+            remote_block_ids=blocks,
             remote_request_id=request.request_id,
             num_prompt_tokens=request.num_prompt_tokens,
             first_token_id=first,

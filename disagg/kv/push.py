@@ -40,9 +40,7 @@ class PushScheduler(KVConnectorScheduler):
     def accepts(self, params: KVTransferParams) -> bool:
         return bool(params.transfer_id)  # no transfer id: no decode instance awaits the KV
 
-    def finished_params(
-        self, request: Request, block_ids: list[int], first: int
-    ) -> KVTransferParams:
+    def finished_params(self, request: Request, blocks: list[int], first: int) -> KVTransferParams:
         assert request.kv_transfer_params is not None
         return KVTransferParams(
             transfer_id=request.kv_transfer_params.transfer_id,
