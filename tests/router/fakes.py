@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -26,7 +25,6 @@ __all__ = [
     "answer_after_abort",
     "completion",
     "default_handler",
-    "free_port",
     "metric",
     "post",
     "read_events",
@@ -45,13 +43,6 @@ PROMPT = {"model": "m", "prompt": "hello", "max_tokens": 8}
 
 def run_async(coro: Coroutine[Any, Any, None], timeout_s: float = 20.0) -> None:
     asyncio.run(asyncio.wait_for(coro, timeout_s))
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def completion(request_id: str, text: str, **extra: Any) -> dict[str, Any]:

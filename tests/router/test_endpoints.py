@@ -6,9 +6,9 @@ from typing import Any
 
 import aiohttp
 
+from tests.helpers import free_port
 from tests.router.fakes import (
     FakeInstance,
-    free_port,
     routed,
     run_async,
     running,

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.router.fakes import free_port
+from tests.helpers import free_port
 
 READY_PREFIX = "disagg route ready on "
 
