@@ -1,5 +1,5 @@
-// What the paged attention kernels share: the element types they read and write, and how a
-// row of the paged KV cache is found.
+// What the paged attention kernels share: the element types they read and write, how a row of
+// the paged KV cache is found, and how an entry point picks the build for a dtype and shape.
 //
 // Cache layout (model_runner.py): kv[num_blocks, num_layers, 2 (k|v), num_kv_heads, block_size,
 // head_dim], so one (block, layer, k|v, head) is a contiguous [block_size, head_dim] row group.
@@ -85,7 +85,7 @@ struct Erased<kernel> {
 //   pick(is_bf16, num_heads, num_kv_heads, head_dim): the same from an entry point's
 //     arguments, also nullptr when the query heads do not split evenly over the KV heads.
 #define DISAGG_DEFINE_PICK(KERNEL)                                                          \
-  using Kernel = decltype(&disagg::Erased<&KERNEL<float, 1, 64>>::call);                   \
+  using Kernel = decltype(&disagg::Erased<&KERNEL<float, 1, 64>>::call);                    \
   template <typename T>                                                                     \
   Kernel pick(int64_t groups, int64_t head_dim) {                                           \
     DISAGG_FOR_EACH_SHAPE(DISAGG_RETURN_IF_SHAPE, KERNEL)                                   \
