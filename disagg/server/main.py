@@ -12,10 +12,8 @@ import asyncio
 import logging
 import signal
 import sys
-import typing
-from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from disagg.config import (
     CacheConfig,
@@ -26,11 +24,13 @@ from disagg.config import (
     env_cluster_token,
     resolve_api_key,
 )
+from disagg.config_flags import add_field_flag
 from disagg.security import tls
 
 __all__ = ["add_arguments", "build_configs", "run"]
 
-# (config class, field, flag, help). The flag's type, default and choices come from the field.
+# (config class, field, flag, help). The flag's type, default and choices come from the field
+# (add_field_flag).
 _FLAGS: tuple[tuple[type, str, str, str], ...] = (
     (EngineConfig, "model", "--model", "model directory (config.json, tokenizer.json, "
      "*.safetensors) or a known name such as smollm2-135m"),
@@ -111,7 +111,7 @@ _FLAGS: tuple[tuple[type, str, str, str], ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for cls, name, flag, help_text in _FLAGS:
-        _add_flag(parser, cls, name, flag, help_text)
+        add_field_flag(parser, cls, name, flag, help_text, dest=_dest(cls, name))
     # Not a config field: the file is only where ServerConfig.api_key comes from.
     parser.add_argument("--api-key-file", type=Path, metavar="PATH",
                         help="read the API key from this file, which keeps it out of the "
@@ -124,25 +124,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _dest(cls: type, name: str) -> str:
     # Prefixed: KVTransferConfig.host and ServerConfig.host are different flags.
     return f"{cls.__name__}.{name}"
-
-
-def _add_flag(
-    parser: argparse.ArgumentParser, cls: type, name: str, flag: str, help_text: str
-) -> None:
-    kind = typing.get_type_hints(cls)[name]
-    default = next(f.default for f in fields(cls) if f.name == name)
-    assert default is not MISSING, f"{cls.__name__}.{name} needs a default to become a flag"
-    dest = _dest(cls, name)
-    if kind is bool:
-        # The flag names the non-default behaviour (--no-prefix-caching sets the field False).
-        action = "store_false" if default else "store_true"
-        parser.add_argument(flag, dest=dest, action=action, help=help_text)
-        return
-    extra: dict[str, Any] = {"metavar": flag.removeprefix("--").replace("-", "_").upper()}
-    if typing.get_origin(kind) is Literal:
-        extra = {"choices": list(typing.get_args(kind))}  # argparse shows them as the metavar
-        kind = type(extra["choices"][0])
-    parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text, **extra)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:

@@ -102,21 +102,7 @@ void decode(const T* q, const T* kv, T* out, const int64_t* table, const int64_t
   }
 }
 
-using Kernel = void (*)(const void*, const void*, void*, const int64_t*, const int64_t*,
-                        int64_t, const Shape&, int64_t, float, int);
-
-template <typename T, int G, int D>
-void erased(const void* q, const void* kv, void* out, const int64_t* table, const int64_t* lens,
-            int64_t num_seqs, const Shape& s, int64_t layer, float scale, int num_threads) {
-  decode<T, G, D>(static_cast<const T*>(q), static_cast<const T*>(kv), static_cast<T*>(out),
-                  table, lens, num_seqs, s, layer, scale, num_threads);
-}
-
-template <typename T>
-Kernel pick(int64_t groups, int64_t head_dim) {
-  DISAGG_FOR_EACH_SHAPE(DISAGG_RETURN_IF_SHAPE)
-  return nullptr;
-}
+DISAGG_DEFINE_PICK(decode)
 
 }  // namespace
 
@@ -135,9 +121,8 @@ int disagg_paged_decode(const void* q, const void* kv, void* out, const int64_t*
                         int64_t num_kv_heads, int64_t head_dim, int64_t num_layers,
                         int64_t block_size, int64_t table_width, int64_t layer, float scale,
                         int is_bf16, int num_threads) {
-  const int64_t groups = num_heads / num_kv_heads;
-  const Kernel kernel = is_bf16 ? pick<uint16_t>(groups, head_dim) : pick<float>(groups, head_dim);
-  if (kernel == nullptr || groups * num_kv_heads != num_heads) return -1;
+  const Kernel kernel = pick(is_bf16, num_heads, num_kv_heads, head_dim);
+  if (kernel == nullptr) return -1;
   const Shape shape{num_heads, num_kv_heads, num_layers, block_size, table_width};
   kernel(q, kv, out, table, lens, num_seqs, shape, layer, scale, num_threads);
   return 0;

@@ -180,21 +180,7 @@ void prefill(const T* q, const T* kv, T* out, const int64_t* table, int64_t n, i
   }
 }
 
-using Kernel = void (*)(const void*, const void*, void*, const int64_t*, int64_t, int64_t,
-                        const Shape&, int64_t, float, int);
-
-template <typename T, int G, int D>
-void erased(const void* q, const void* kv, void* out, const int64_t* table, int64_t n,
-            int64_t start, const Shape& s, int64_t layer, float scale, int num_threads) {
-  prefill<T, G, D>(static_cast<const T*>(q), static_cast<const T*>(kv), static_cast<T*>(out),
-                   table, n, start, s, layer, scale, num_threads);
-}
-
-template <typename T>
-Kernel pick(int64_t groups, int64_t head_dim) {
-  DISAGG_FOR_EACH_SHAPE(DISAGG_RETURN_IF_SHAPE)
-  return nullptr;
-}
+DISAGG_DEFINE_PICK(prefill)
 
 }  // namespace
 
@@ -208,9 +194,8 @@ int disagg_paged_prefill(const void* q, const void* kv, void* out, const int64_t
                          int64_t num_kv_heads, int64_t head_dim, int64_t num_layers,
                          int64_t block_size, int64_t layer, float scale, int is_bf16,
                          int num_threads) {
-  const int64_t groups = num_heads / num_kv_heads;
-  const Kernel kernel = is_bf16 ? pick<uint16_t>(groups, head_dim) : pick<float>(groups, head_dim);
-  if (kernel == nullptr || groups * num_kv_heads != num_heads || num_tokens < 1) return -1;
+  const Kernel kernel = pick(is_bf16, num_heads, num_kv_heads, head_dim);
+  if (kernel == nullptr || num_tokens < 1) return -1;
   const Shape shape{num_heads, num_kv_heads, num_layers, block_size, 0};
   kernel(q, kv, out, table, num_tokens, start, shape, layer, scale, num_threads);
   return 0;
