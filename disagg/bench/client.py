@@ -120,8 +120,16 @@ def _handle_event(
     choices = data.get("choices") or []
     if choices and _has_token(choices[0], is_chat):
         result.token_times_s.append(now_s)
+        result.output_text += _text_of(choices[0], is_chat)
     _read_extras(data, result, usage)
     return True
+
+
+def _text_of(choice: dict[str, Any], is_chat: bool) -> str:
+    """The generated text a choice carries (a streamed delta, or a whole answer's message)."""
+    part = (choice.get("delta") or choice.get("message") or {}) if is_chat else choice
+    text = part.get("content") if is_chat else part.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def _handle_block(
@@ -158,6 +166,9 @@ async def _read_body(
         raise ValueError("response body is not a JSON object")
     result.end_s = time.perf_counter()
     result.token_times_s.append(result.end_s)  # non-streaming: TTFT == E2EL
+    choices = data.get("choices") or []
+    if choices and isinstance(choices[0], dict):
+        result.output_text = _text_of(choices[0], "message" in choices[0])
     _read_extras(data, result, usage)
 
 

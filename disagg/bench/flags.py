@@ -10,7 +10,7 @@ import math
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from disagg.bench.workload import WorkloadConfig
+from disagg.bench.workload import DATASETS, WorkloadConfig
 
 __all__ = [
     "add_arrival_arguments", "add_workload_arguments", "from_flags", "workload_from_args",
@@ -23,10 +23,14 @@ _Config = TypeVar("_Config")
 def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = parser.add_argument_group("workload")
     g.add_argument(
-        "--dataset", choices=["random", "text", "prefix"], default="random",
-        help="random token ids; text = English prose; prefix = shared prefixes + random suffixes",
+        "--dataset", choices=list(DATASETS), default="random",
+        help="random token ids; text = English prose; prefix = shared prefixes + random "
+        "suffixes; multiturn = conversations (a shared system prompt of --prefix-len tokens, "
+        "--num-turns user turns of --input-len, each answer kept in the history)",
     )  # fmt: skip
-    g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    g.add_argument("--num-prompts", type=int, default=100,
+                   help="requests to send (multiturn: conversations)")  # fmt: skip
+    g.add_argument("--num-turns", type=int, default=1, help="turns per conversation (multiturn)")
     g.add_argument(
         "--random-input-len",
         "--input-len",
@@ -92,7 +96,8 @@ def workload_keys(w: WorkloadConfig) -> dict[str, object]:
         "random_input_len": w.input_len,
         "random_output_len": w.output_len,
         "random_range_ratio": w.range_ratio,
-        "prefix_len": w.prefix_len if w.dataset == "prefix" else 0,
+        "prefix_len": w.prefix_len if w.dataset in ("prefix", "multiturn") else 0,
+        **({"num_turns": w.num_turns} if w.dataset == "multiturn" else {}),
         "seed": w.seed,
     }
 

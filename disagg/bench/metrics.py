@@ -49,6 +49,8 @@ class RequestResult:
     output_len: int = 0  # usage.completion_tokens when reported, else len(token_times_s)
     error: str = ""  # "" = success
     breakdown: dict[str, float] = field(default_factory=dict)  # server's TTFT breakdown
+    output_text: str = ""  # the generated text (a conversation's next turn carries it)
+    turn: int = 0  # 1-based turn of a multi-turn conversation; 0 = not part of one
 
     @property
     def success(self) -> bool:
@@ -153,6 +155,7 @@ def _per_request_lists(results: list[RequestResult]) -> dict[str, list[Any]]:
         "e2els": [e2el_s(r) if s else 0.0 for r, s in zip(results, ok, strict=True)],
         "errors": [r.error for r in results],
         "breakdowns": [dict(r.breakdown) for r in results],
+        **({"turns": [r.turn for r in results]} if any(r.turn for r in results) else {}),
     }
 
 
@@ -168,6 +171,24 @@ def _latency_summaries(done: list[RequestResult], percentiles: tuple[float, ...]
     for metric in LATENCY_METRICS:
         out.update(summarize_ms(metric, samples[metric], percentiles))
     return out
+
+
+def turn_summaries(done: list[RequestResult]) -> dict[str, Any]:
+    """Multi-turn runs: the median TTFT of each turn (ms, keyed by the 1-based turn) and of
+    every turn after the first, where a prefix cache holds the conversation so far."""
+    by_turn: dict[int, list[float]] = {}
+    for r in done:
+        if r.turn:
+            by_turn.setdefault(r.turn, []).append(ttft_s(r))
+    if not by_turn:
+        return {}
+    later = [t for turn, ts in by_turn.items() if turn >= 2 for t in ts]
+    return {
+        "median_ttft_ms_by_turn": {
+            str(turn): float(np.median(ts)) * 1000.0 for turn, ts in sorted(by_turn.items())
+        },
+        "median_ttft_ms_later_turns": float(np.median(later)) * 1000.0 if later else None,
+    }
 
 
 def compute_metrics(
@@ -201,6 +222,7 @@ def compute_metrics(
         "max_concurrent_requests": max_concurrency(results),
     }
     out.update(_latency_summaries(done, percentiles))
+    out.update(turn_summaries(done))
     out["mean_breakdown_ms"] = stages_ms
     out["mean_breakdown_counts"] = counts
     out.update(_per_request_lists(results))

@@ -90,6 +90,10 @@ def format_table(result: dict[str, Any], percentiles: tuple[float, ...]) -> str:
     rows.append(_row("Total token throughput (tok/s):", result["total_token_throughput"]))
     for metric in _TITLES:
         rows.extend(_latency_rows(result, metric, percentiles))
+    by_turn = result.get("median_ttft_ms_by_turn") or {}
+    if by_turn:
+        rows.append(_section("TTFT by turn (median)"))
+        rows.extend(_row(f"Turn {turn} (ms):", float(ms)) for turn, ms in by_turn.items())
     stages = result.get("mean_breakdown_ms") or {}
     if stages:
         rows.append(_section("TTFT breakdown (server, mean)"))

@@ -23,6 +23,7 @@ from disagg.bench.client import (
 from disagg.bench.flags import workload_keys
 from disagg.bench.host import describe_host
 from disagg.bench.metrics import compute_metrics
+from disagg.bench.multiturn import make_conversations, run_conversations
 from disagg.bench.workload import (
     BenchPrompt,
     WorkloadConfig,
@@ -83,19 +84,20 @@ def _prompts(cfg: BenchConfig, workload: WorkloadConfig) -> list[BenchPrompt]:
     return prompts
 
 
+def _payload(cfg: BenchConfig, model: str) -> dict[str, Any]:
+    """build_payload's keyword arguments but the endpoint: the same for every request."""
+    return {
+        "model": model,
+        "stream": cfg.stream,
+        "ignore_eos": cfg.ignore_eos,
+        "temperature": cfg.temperature,
+        "extra_body": cfg.extra_body,
+    }
+
+
 def _bodies(cfg: BenchConfig, model: str, prompts: list[BenchPrompt]) -> list[dict[str, Any]]:
-    return [
-        build_payload(
-            p,
-            model=model,
-            endpoint=cfg.endpoint,
-            stream=cfg.stream,
-            ignore_eos=cfg.ignore_eos,
-            temperature=cfg.temperature,
-            extra_body=cfg.extra_body,
-        )
-        for p in prompts
-    ]
+    payload = _payload(cfg, model)
+    return [build_payload(p, endpoint=cfg.endpoint, **payload) for p in prompts]
 
 
 def _run_header(cfg: BenchConfig, model: str) -> dict[str, Any]:
@@ -120,6 +122,8 @@ def _run_header(cfg: BenchConfig, model: str) -> dict[str, Any]:
 
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Run one benchmark and return the full result (summary keys + per-request lists)."""
+    if cfg.workload.dataset == "multiturn":
+        return await _run_conversations(cfg)
     prompts = _prompts(cfg, cfg.workload)
     offsets_s = arrival_offsets_s(len(prompts), cfg.request_rate, cfg.burstiness, cfg.workload.seed)
     async with make_session(cfg.max_concurrency, cfg.request_timeout_s) as session:
@@ -147,6 +151,28 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             offsets_s,
             max_concurrency=cfg.max_concurrency,
             show_progress=cfg.show_progress,
+        )
+    metrics = compute_metrics(results, duration_s, cfg.percentiles, cfg.goodput_slos_ms or None)
+    return {**_run_header(cfg, model), **metrics}
+
+
+async def _run_conversations(cfg: BenchConfig) -> dict[str, Any]:
+    """The multiturn workload: conversations start at the arrival offsets, turns in order."""
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    conversations = make_conversations(cfg.workload, tokenizer)
+    w = cfg.workload
+    offsets_s = arrival_offsets_s(len(conversations), cfg.request_rate, cfg.burstiness, w.seed)
+    async with make_session(cfg.max_concurrency, cfg.request_timeout_s) as session:
+        model = cfg.model or await fetch_model_id(session, cfg.base_url)
+        payload = _payload(cfg, model)
+        if cfg.warmup:  # one-turn conversations under another system prompt: no cache help
+            warm_workload = replace(
+                w, num_prompts=cfg.warmup, num_turns=1, seed=w.seed + _WARMUP_SEED_OFFSET
+            )
+            warm = make_conversations(warm_workload, tokenizer)
+            await run_conversations(session, cfg.url, warm, [0.0] * len(warm), payload)
+        results, duration_s = await run_conversations(
+            session, cfg.url, conversations, offsets_s, payload, show_progress=cfg.show_progress
         )
     metrics = compute_metrics(results, duration_s, cfg.percentiles, cfg.goodput_slos_ms or None)
     return {**_run_header(cfg, model), **metrics}

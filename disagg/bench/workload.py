@@ -1,4 +1,5 @@
-"""Seeded benchmark workloads: random token ids, English text, and shared-prefix prompts.
+"""Seeded benchmark workloads: random token ids, English text, shared-prefix prompts, and the
+text pieces of multi-turn conversations (bench/multiturn.py plays them).
 
 Owns turning (dataset, lengths, seed) into a reproducible list of `BenchPrompt`s. The same
 config and seed always give the same prompts. Does no I/O beyond reading an optional tokenizer
@@ -24,10 +25,12 @@ __all__ = [
     "length_bounds",
     "load_tokenizer",
     "make_workload",
+    "make_texts",
     "to_text_prompts",
 ]
 
-DatasetName = Literal["random", "text", "prefix"]
+DatasetName = Literal["random", "text", "prefix", "multiturn"]
+DATASETS: tuple[str, ...] = ("random", "text", "prefix", "multiturn")
 
 # Rough English ratio, used only when no tokenizer is given for the text workload: the true
 # prompt length is then read back from the server's `usage.prompt_tokens`.
@@ -55,19 +58,22 @@ class BenchPrompt:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkloadConfig:
     dataset: DatasetName = "random"
-    num_prompts: int = 100
-    input_len: int = 128  # tokens; for prefix: the random suffix after the shared prefix
+    num_prompts: int = 100  # multiturn: conversations
+    input_len: int = (
+        128  # tokens; prefix: the suffix after the shared prefix; multiturn: a user turn
+    )
     output_len: int = 32  # tokens
     range_ratio: float = 0.0  # lengths uniform in [len*(1-r), len*(1+r)]
-    prefix_len: int = 64  # tokens shared by prompts of one group (prefix dataset)
+    prefix_len: int = 64  # tokens shared by prompts of one group (prefix); multiturn: system prompt
     num_prefixes: int = 1  # distinct shared prefixes, assigned round-robin
     token_range: tuple[int, int] = (100, 1900)  # ids drawn from [lo, hi): avoids special tokens
+    num_turns: int = 1  # multiturn: turns per conversation, played in order
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dataset not in ("random", "text", "prefix"):
-            raise ValueError(f"dataset must be random, text or prefix, got {self.dataset!r}")
-        for name in ("num_prompts", "input_len", "output_len", "num_prefixes"):
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        for name in ("num_prompts", "input_len", "output_len", "num_prefixes", "num_turns"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefix_len < 0:
@@ -137,19 +143,30 @@ def _text_prompts(
 ) -> list[BenchPrompt]:
     in_lens = _draw_lengths(rng, cfg.input_len, cfg.range_ratio, cfg.num_prompts)
     out_lens = _draw_lengths(rng, cfg.output_len, cfg.range_ratio, cfg.num_prompts)
+    texts = make_texts(rng, in_lens, tokenizer)
+    return [
+        BenchPrompt(text, in_len, out_len, is_exact_len=False)
+        for text, in_len, out_len in zip(texts, in_lens, out_lens, strict=True)
+    ]
+
+
+def make_texts(
+    rng: np.random.Generator, lengths: list[int], tokenizer: TextTokenizer | None
+) -> list[str]:
+    """English passages of about `lengths` tokens each (exactly, when a tokenizer is given:
+    a window of the tokenized corpus, decoded), each from a random place in the corpus."""
     words = _corpus_words()
     corpus_ids = tokenizer.encode(" ".join(words)).ids if tokenizer is not None else None
-    prompts = []
-    for in_len, out_len in zip(in_lens, out_lens, strict=True):
+    texts = []
+    for n in lengths:
         if corpus_ids is not None:
-            start = int(rng.integers(0, max(1, len(corpus_ids) - in_len)))
-            text = tokenizer.decode(list(corpus_ids[start : start + in_len]))
+            start = int(rng.integers(0, max(1, len(corpus_ids) - n)))
+            texts.append(tokenizer.decode(list(corpus_ids[start : start + n])))
         else:
-            num_words = max(1, round(in_len / _TOKENS_PER_WORD))
+            num_words = max(1, round(n / _TOKENS_PER_WORD))
             start = int(rng.integers(0, max(1, len(words) - num_words)))
-            text = " ".join(words[start : start + num_words])
-        prompts.append(BenchPrompt(text, in_len, out_len, is_exact_len=False))
-    return prompts
+            texts.append(" ".join(words[start : start + num_words]))
+    return texts
 
 
 def make_workload(cfg: WorkloadConfig, tokenizer: TextTokenizer | None = None) -> list[BenchPrompt]:
@@ -159,6 +176,12 @@ def make_workload(cfg: WorkloadConfig, tokenizer: TextTokenizer | None = None) -
         return _random_prompts(cfg, rng)
     if cfg.dataset == "prefix":
         return _prefix_prompts(cfg, rng)
+    if cfg.dataset == "multiturn":  # each turn's prompt holds the answers before it
+        raise ValueError(
+            "multiturn conversations are played turn by turn, each turn after the answer "
+            "before it (disagg bench); they are not a list of prompts, and disagg sim does "
+            "not replay them yet"
+        )
     return _text_prompts(cfg, rng, tokenizer)
 
 

@@ -26,6 +26,7 @@ class FakeBehavior:
     fail_every: int = 0  # every n-th request (1-based count) gets HTTP 500; 0 = never
     stream_error_every: int = 0  # every n-th request errors after its first chunk; 0 = never
     include_usage: bool = True  # False: the client must count streamed chunks
+    tag_answers: bool = False  # each answer's text names its request ("r3-tok0 ..."): unique
     model: str = "fake-model"
     bodies: list[dict[str, Any]] = field(default_factory=list)  # every request body received
     count: int = 0
@@ -56,6 +57,7 @@ def _final_extras(body: dict[str, Any], n: int) -> dict[str, Any]:
 
 async def _stream(request: web.Request, body: dict[str, Any], fail_midway: bool) -> Any:
     b: FakeBehavior = request.app[BEHAVIOR]
+    tag = f"r{b.count}-" if b.tag_answers else ""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     n = int(body["max_tokens"])
@@ -66,7 +68,7 @@ async def _stream(request: web.Request, body: dict[str, Any], fail_midway: bool)
     if "messages" in body:  # chat opens with a role-only delta, which carries no token
         await send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
     for i in range(n):
-        await send(_chunk(body, f"tok{i} ", None))
+        await send(_chunk(body, f"{tag}tok{i} ", None))
         if fail_midway:
             await send({"error": {"message": "injected failure", "code": 500}})
             return resp

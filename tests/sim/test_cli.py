@@ -39,3 +39,9 @@ def test_sim_imports_neither_torch_nor_aiohttp() -> None:
         [sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_conversations_are_refused_not_simulated_wrong(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Each turn's prompt holds the answer before it: a list of prompts cannot stand for it."""
+    assert main(["sim", "--dataset", "multiturn", "--num-turns", "3", "--num-prompts", "2"]) == 2
+    assert "does not replay them yet" in capsys.readouterr().err
