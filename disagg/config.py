@@ -298,6 +298,9 @@ class RouterConfig:
     # A registered instance (`disagg serve --router`) is dropped after this long without a
     # heartbeat; instances named in prefill_urls / decode_urls never are.
     heartbeat_timeout_s: float = 3.0
+    # Follow every instance's prefix cache (GET /kv/events, signed) into an index of at most
+    # this many block digests, for placement that knows where the KV is; 0 = off.
+    kv_index_max_blocks: int = 0
     header_timeout_s: float = HEADER_TIMEOUT_S  # a client's request headers, then we hang up
     body_timeout_s: float = BODY_TIMEOUT_S  # a client's whole body, then HTTP 408
     # A leg that never reached its instance (connection refused) goes to another one, at most
@@ -341,7 +344,9 @@ class RouterConfig:
             self, "load_poll_interval_s", "request_timeout_s", "max_request_bytes",
             "heartbeat_timeout_s", "header_timeout_s", "body_timeout_s",
         )  # fmt: skip
-        _check_not_negative(self, "max_prompt_chars")
+        _check_not_negative(self, "max_prompt_chars", "kv_index_max_blocks")
+        if self.kv_index_max_blocks and not self.cluster_token:
+            raise ValueError("kv_index_max_blocks needs the cluster token (/kv/events is signed)")
         _check_resilience(self)
         _check_token("a pull or push router", self.cluster_token,
                      is_required=self.mode != "aggregated")  # fmt: skip

@@ -16,6 +16,7 @@ __all__ = [
     "EngineOverloadedError",
     "FinishReason",
     "KVTransferParams",
+    "KV_EVENTS_PATH",
     "KV_RELEASE_PATH",
     "REGISTER_PATH",
     "RequestFencedError",
@@ -36,6 +37,9 @@ DEREGISTER_PATH = "/internal/deregister"
 # request_id is the engine's id from `remote_request_id`, or the id the router sent the leg
 # under (the instance resolves it): the router releases a lease whose answer it never read.
 KV_RELEASE_PATH = "/kv/release"
+# What an instance's prefix cache gained and lost (GET, signed: digests of cached prompts are
+# not for clients), `?epoch=E&seq=N` the last answer seen (engine/kv_events.py).
+KV_EVENTS_PATH = "/kv/events"
 
 
 class EngineOverloadedError(RuntimeError):

@@ -189,6 +189,14 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
+    def kv_events(self, epoch: str, seq: int) -> dict[str, Any]:
+        """What the prefix cache gained and lost since (epoch, seq), or a snapshot of it
+        (engine/kv_events.py); safe from the event loop while the engine thread runs."""
+        events = self.engine.kv_events if self.engine is not None else None
+        if events is None:
+            return {"epoch": "", "seq": 0, "snapshot": []}  # no prefix cache: nothing to find
+        return events.since(epoch, seq)
+
     def kv_info(self) -> dict[str, Any]:
         connector = self.engine.kv_worker if self.engine is not None else None
         if connector is None:

@@ -13,6 +13,7 @@ import array
 import hashlib
 import itertools
 from collections import OrderedDict
+from typing import Protocol
 
 __all__ = ["BlockHash", "BlockPool", "hash_blocks"]
 
@@ -39,8 +40,18 @@ def hash_blocks(
     return hashes
 
 
+class CacheEvents(Protocol):
+    """Where the pool reports what its prefix cache gains and loses (engine/kv_events.py)."""
+
+    def stored(self, block_hashes: list[BlockHash]) -> None: ...
+
+    def removed(self, block_hashes: list[BlockHash]) -> None: ...
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, *, enable_caching: bool = True, events: CacheEvents | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -50,6 +61,7 @@ class BlockPool:
         self._hash_of: dict[int, BlockHash] = {}  # block id -> hash (cached blocks only)
         self._block_of: dict[BlockHash, int] = {}  # hash -> block id
         self.num_cache_hits = 0  # blocks served from the cache since start (metrics)
+        self.events = events  # None: nobody follows this pool's cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,10 +84,11 @@ class BlockPool:
         for block_id in block_ids:
             del free[block_id]
             refs[block_id] = 1
-        evicted = [hash_of.pop(block_id, None) for block_id in block_ids]
+        evicted = [h for h in (hash_of.pop(b, None) for b in block_ids) if h is not None]
         for block_hash in evicted:
-            if block_hash is not None:
-                del block_of[block_hash]
+            del block_of[block_hash]
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
@@ -130,6 +143,8 @@ class BlockPool:
         published = {block_hash: block_id for block_id, block_hash in reversed(fresh)}
         block_of.update(published)
         hash_of.update((block_id, block_hash) for block_hash, block_id in published.items())
+        if published and self.events is not None:
+            self.events.stored(list(published))
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from disagg.config import EngineConfig
 from disagg.engine.block_pool import BlockPool
+from disagg.engine.kv_events import KVEventLog
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.outputs import RunnerOutput, SchedulerOutput
 from disagg.engine.request import Request
@@ -59,8 +60,11 @@ class Engine:
                 f"num_blocks * block_size = {capacity} tokens cannot hold one request of "
                 f"max_model_len {self.max_model_len}; raise num_blocks or lower max_model_len"
             )
+        caching = config.scheduler.enable_prefix_caching
+        # What the prefix cache holds, for a router that places requests where their KV is.
+        self.kv_events = KVEventLog() if caching else None
         self.block_pool = BlockPool(
-            config.cache.num_blocks, enable_caching=config.scheduler.enable_prefix_caching
+            config.cache.num_blocks, enable_caching=caching, events=self.kv_events
         )
         kv_scheduler, self.kv_worker = self._make_connector(make_connector, wake)
         self.scheduler = Scheduler(

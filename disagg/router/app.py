@@ -26,6 +26,8 @@ from disagg.router.admission import Admission
 from disagg.router.call import make_body_parser, parse_call
 from disagg.router.flows import Flows
 from disagg.router.instances import InstancePool
+from disagg.router.kv_follow import KVFollower
+from disagg.router.kv_index import KVIndex
 from disagg.router.legs import CONNECT_TIMEOUT_S, Legs
 from disagg.router.membership import add_membership_routes
 from disagg.router.metrics import RouterMetrics
@@ -56,13 +58,20 @@ class Router:
         self.legs = Legs(cfg, self.pool, self.metrics)
         self.flows = Flows(cfg, self.legs, self.pool, self.metrics)
         self.body_parser = make_body_parser()
+        # Where the instances' prefix caches stand (off unless --kv-index-max-blocks).
+        self.kv_index = KVIndex(cfg.kv_index_max_blocks) if cfg.kv_index_max_blocks else None
+        self.kv_follow = KVFollower(cfg, self.pool, self.kv_index) if self.kv_index else None
 
     async def startup(self, _app: web.Application) -> None:
         self.legs.start()
         self.body_parser.start()
         await self.pool.start(self.legs.session)
+        if self.kv_follow is not None:
+            self.kv_follow.start(self.legs.session)
 
     async def cleanup(self, _app: web.Application) -> None:
+        if self.kv_follow is not None:
+            await self.kv_follow.close()
         await self.pool.close()
         await self.legs.close()
         self.body_parser.close()
@@ -113,7 +122,11 @@ class Router:
 
     async def list_instances(self, _request: web.Request) -> web.Response:
         now_s = time.monotonic()
-        return web.json_response([inst.to_dict(now_s) for inst in self.pool.instances])
+        held = self.kv_index.num_held() if self.kv_index is not None else {}
+        views = [inst.to_dict(now_s) for inst in self.pool.instances]
+        if self.kv_index is not None:  # blocks of each prefix cache the index knows of
+            views = [{**view, "kv_index_blocks": held.get(view["url"], 0)} for view in views]
+        return web.json_response(views)
 
     async def metrics_text(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)

@@ -103,6 +103,9 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
      "--max-concurrent-requests; more get HTTP 429 (default: %(default)s)"),
     ("queue_timeout_s", "--queue-timeout-s",
      "seconds a request waits for a free slot, then HTTP 503 (default: %(default)s)"),
+    ("kv_index_max_blocks", "--kv-index-max-blocks", "follow every instance's prefix cache "
+     "(GET /kv/events, signed: needs the cluster token) into an index of at most this many "
+     "block digests, shown per instance in /instances; 0 = off (default: %(default)s)"),
 )  # fmt: skip
 _METAVARS = {"advertise_url": "URL", "tls_cert_file": "PEM", "tls_key_file": "PEM",
              "tls_ca_file": "PEM"}  # fmt: skip

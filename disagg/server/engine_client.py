@@ -58,6 +58,10 @@ class EngineClient(Protocol):
         """False once the engine loop died."""
         ...
 
+    def kv_events(self, epoch: str, seq: int) -> dict[str, Any]:
+        """The prefix cache's stored/removed digests since (epoch, seq), or a snapshot."""
+        ...
+
     def kv_info(self) -> dict[str, Any]:
         """Identity for peers and the router: {"engine_id", "role", "connector", "kv_host",
         "kv_port", "block_size", ...}; {"role": "both"} when not disaggregated."""

@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from disagg.protocol import KV_EVENTS_PATH
 from disagg.server.engine_client import EngineClient
 from disagg.server.json_body import parse_json_body
 from disagg.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -34,6 +35,7 @@ class InstanceRoutes:
             web.get("/health", self.health),
             web.get("/load", self.load),
             web.get("/kv_info", self.kv_info),
+            web.get(KV_EVENTS_PATH, self.kv_events),  # internal: /kv/* is signed
             web.get("/metrics", self.metrics),
         ]
 
@@ -75,6 +77,18 @@ class InstanceRoutes:
 
     async def kv_info(self, request: web.Request) -> web.Response:
         return web.json_response(self._engine.kv_info())
+
+    async def kv_events(self, request: web.Request) -> web.Response:
+        """Internal: what this instance's prefix cache gained and lost since the answer the
+        caller last saw (`epoch`, `seq`), or a snapshot when that is gone or unknown."""
+        epoch = request.query.get("epoch", "")
+        try:
+            seq = int(request.query.get("seq", "0"))
+        except ValueError:
+            raise APIError(400, "seq must be an integer", param="seq") from None
+        if seq < 0 or len(epoch) > 64:
+            raise APIError(400, "seq must be >= 0 and epoch at most 64 characters", param="seq")
+        return web.json_response(self._engine.kv_events(epoch, seq))
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -12,6 +12,8 @@ import pytest
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.block_pool import hash_blocks
+from disagg.engine.kv_events import wire_digest
 from disagg.protocol import (
     FinishReason,
     RequestFencedError,
@@ -325,3 +327,26 @@ def test_over_http_an_id_still_streaming_gets_409(tiny_qwen3_dir: Path) -> None:
     assert set(answer["error"]) == {"message", "type", "param", "code"}
     assert rest[-1] == b"data: [DONE]\n"
     assert b'"finish_reason":"length"' in rest[-2]  # A streamed on, untouched
+
+
+def test_the_prefix_cache_is_published_as_kv_events(tiny_qwen3_dir: Path) -> None:
+    """A real engine: the prompt's full blocks appear in /kv/events' answer once computed,
+    under the same chained digests the block pool keys them by (the router's index matches
+    a prompt by them)."""
+    prompt = list(range(100, 140))  # 2 full blocks of 16, and 8 tokens more
+
+    async def main() -> dict[str, object]:
+        engine = AsyncEngine(_tiny_config(tiny_qwen3_dir), str(tiny_qwen3_dir))
+        await engine.start()
+        try:
+            empty = engine.kv_events("", 0)
+            await _last(engine.generate("a", prompt, _params(2)))
+            return {"empty": empty, "after": engine.kv_events(empty["epoch"], empty["seq"])}
+        finally:
+            await engine.shutdown()
+
+    answers = asyncio.run(main())
+    assert answers["empty"]["snapshot"] == []
+    stored = {d for e in answers["after"]["events"] if e["kind"] == "stored" for d in e["digests"]}
+    expected = [wire_digest(h) for h in hash_blocks(None, prompt, 16)]
+    assert len(expected) == 2 and set(expected) <= stored

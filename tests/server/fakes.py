@@ -114,6 +114,7 @@ class ScriptedEngine:
     submitted: list[Submitted] = field(default_factory=list)
     fenced: list[str] = field(default_factory=list)  # ids fence() refused from then on
     aborted: list[str] = field(default_factory=list)
+    kv_events_asked: list[tuple[str, int]] = field(default_factory=list)
     _abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def generate(
@@ -196,6 +197,10 @@ class ScriptedEngine:
 
     def kv_info(self) -> dict[str, Any]:
         return {"role": "both", "block_size": 16}
+
+    def kv_events(self, epoch: str, seq: int) -> dict[str, Any]:
+        self.kv_events_asked.append((epoch, seq))
+        return {"epoch": "e1", "seq": 3, "snapshot": ["00ff00ff00ff00ff"]}
 
 
 def _fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:

@@ -1,0 +1,124 @@
+"""Which instances hold which cached prompt blocks: the router's index of their prefix caches.
+
+Fed by each instance's `GET /kv/events` (engine/kv_events.py): reports of digests stored and
+removed, or a snapshot after a gap or a restart. Bounded: past `max_digests` the digest stored
+longest ago is forgotten for every instance (the index advises placement; forgetting costs a
+prefill, never a wrong answer). Pure: no I/O, no clock; kv_follow.py does the fetching.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+__all__ = ["KVIndex"]
+
+_DIGEST = re.compile(r"[0-9a-f]{16}")  # engine/kv_events.py: 8 bytes, hex
+_KINDS = ("stored", "removed")
+
+
+class KVIndex:
+    def __init__(self, max_digests: int) -> None:
+        if max_digests <= 0:
+            raise ValueError(f"max_digests must be > 0, got {max_digests}")
+        self.max_digests = max_digests
+        self._where: OrderedDict[str, set[str]] = OrderedDict()  # digest -> instance urls
+        self._cursor: dict[str, tuple[str, int]] = {}  # url -> (epoch, seq) last applied
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def followed(self) -> set[str]:
+        """The instances whose reports the index holds."""
+        return set(self._cursor)
+
+    def num_held(self) -> dict[str, int]:
+        """Cached blocks known per instance (walks the whole index: for views, not routing)."""
+        counts: dict[str, int] = dict.fromkeys(self._cursor, 0)
+        for urls in self._where.values():
+            for url in urls:
+                counts[url] = counts.get(url, 0) + 1
+        return counts
+
+    def cursor(self, url: str) -> tuple[str, int]:
+        """What to ask `url` for next: the reports after the last answer applied."""
+        return self._cursor.get(url, ("", 0))
+
+    def apply(self, url: str, answer: Any) -> None:
+        """One `/kv/events` answer from `url`. ValueError (nothing applied) if malformed."""
+        epoch, seq, reports = _parse(answer)
+        if reports is None:  # a snapshot: everything `url` holds now
+            self.forget(url)
+            self._store(url, answer["snapshot"])
+        else:
+            for kind, digests in reports:
+                (self._store if kind == "stored" else self._remove)(url, digests)
+        self._cursor[url] = (epoch, seq)
+
+    def forget(self, url: str) -> None:
+        """`url` holds nothing we know of (it left, restarted, or sent a snapshot)."""
+        self._cursor.pop(url, None)
+        for digest in [d for d, urls in self._where.items() if url in urls]:
+            self._discard(digest, url)
+
+    def num_cached(self, url: str, digests: list[str]) -> int:
+        """How many leading blocks of a prompt (its chained digests, in order) `url` holds."""
+        n = 0
+        for digest in digests:
+            if url not in self._where.get(digest, ()):
+                break
+            n += 1
+        return n
+
+    def _store(self, url: str, digests: list[str]) -> None:
+        where = self._where
+        for digest in digests:
+            urls = where.get(digest)
+            if urls is None:
+                where[digest] = {url}
+            else:
+                urls.add(url)
+                where.move_to_end(digest)
+        while len(where) > self.max_digests:
+            where.popitem(last=False)
+
+    def _remove(self, url: str, digests: list[str]) -> None:
+        for digest in digests:
+            self._discard(digest, url)
+
+    def _discard(self, digest: str, url: str) -> None:
+        urls = self._where.get(digest)
+        if urls is not None:
+            urls.discard(url)
+            if not urls:
+                del self._where[digest]
+
+
+def _parse(answer: Any) -> tuple[str, int, list[tuple[str, list[str]]] | None]:
+    """(epoch, seq, reports), reports None for a snapshot; ValueError on anything else."""
+    if not isinstance(answer, dict):
+        raise ValueError("kv events: not an object")
+    epoch, seq = answer.get("epoch"), answer.get("seq")
+    if not isinstance(epoch, str) or type(seq) is not int or seq < 0:
+        raise ValueError("kv events: epoch must be a string and seq an integer >= 0")
+    if "snapshot" in answer:
+        _check_digests(answer["snapshot"])
+        return epoch, seq, None
+    events = answer.get("events")
+    if not isinstance(events, list):
+        raise ValueError("kv events: neither events nor a snapshot")
+    reports = []
+    for event in events:
+        if not isinstance(event, dict) or event.get("kind") not in _KINDS:
+            raise ValueError("kv events: an event must be stored or removed")
+        reports.append((event["kind"], _check_digests(event.get("digests"))))
+    return epoch, seq, reports
+
+
+def _check_digests(digests: Any) -> list[str]:
+    if not isinstance(digests, list) or not all(
+        isinstance(d, str) and _DIGEST.fullmatch(d) for d in digests
+    ):
+        raise ValueError("kv events: digests must be 16 lowercase hex characters each")
+    return digests
