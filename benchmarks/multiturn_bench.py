@@ -1,0 +1,138 @@
+"""Multi-turn conversations on live local clusters, configurations alternated in one run.
+
+Each configuration (a mode, its instance counts, a routing policy) gets a fresh cluster from
+`disagg up`'s launcher, then `disagg bench --dataset multiturn` against it: N conversations of
+T turns, a shared system prompt, each turn's prompt the history with the answers actually
+returned. Rounds alternate the configurations (A B C, A B C, ...) so drift of the machine hits
+all alike; the figures are per-round medians and their ratios to the first configuration.
+What it shows: how much of each turn's history the placement lets a prefix cache reuse (the
+median TTFT of turns >= 2 against turn 1), beside throughput.
+
+    python benchmarks/multiturn_bench.py [--configs agg2-rr,agg2-ll,pull-ll,push-ll]
+        [--rounds 2] [--conversations 8 --turns 6 --system-len 512 --user-len 64
+        --answer-len 32] [--out docs/results/multiturn.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# benchmarks/ is on sys.path when this file runs as a script.
+from live_cluster import format_cell, provenance, write_result
+
+from disagg.bench.host import cpu_info
+from disagg.bench.runner import BenchConfig, run_benchmark
+from disagg.bench.workload import WorkloadConfig
+from disagg.cluster.config import ClusterConfig
+from disagg.cluster.launcher import Cluster
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "agg2-rr": {"mode": "aggregated", "num_decode": 2, "policy": "round_robin"},
+    "agg2-ll": {"mode": "aggregated", "num_decode": 2, "policy": "least_loaded"},
+    "pull-ll": {"mode": "pull", "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"},
+    "push-ll": {"mode": "push", "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"},
+}
+_FIGURES = ("median_ttft_ms_later_turns", "median_ttft_ms", "output_throughput")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        print(f"multiturn_bench: unknown configs {unknown}; known: {sorted(CONFIGS)}")
+        return 2
+    runs = [_run(name, r, args) for r in range(args.rounds) for name in names]
+    rows = _medians(runs, names)
+    print_table(rows)
+    config = {"configs": {n: CONFIGS[n] for n in names}, "rounds": args.rounds,
+              "workload": _workload_keys(args), "model": args.model,
+              "host": cpu_info(), **provenance(started, load_start)}  # fmt: skip
+    write_result({"config": config, "results": rows, "runs": runs}, args.out)
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="agg2-rr,agg2-ll,pull-ll,push-ll")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-len", type=int, default=512, help="shared system prompt, tokens")
+    p.add_argument("--user-len", type=int, default=64, help="each user turn, tokens")
+    p.add_argument("--answer-len", type=int, default=32, help="each answer, tokens")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def _workload(args: argparse.Namespace, seed: int) -> WorkloadConfig:
+    return WorkloadConfig(dataset="multiturn", num_prompts=args.conversations,
+                          num_turns=args.turns, prefix_len=args.system_len,
+                          input_len=args.user_len, output_len=args.answer_len,
+                          seed=seed)  # fmt: skip
+
+
+def _workload_keys(args: argparse.Namespace) -> dict[str, int]:
+    return {"conversations": args.conversations, "turns": args.turns,
+            "system_len": args.system_len, "user_len": args.user_len,
+            "answer_len": args.answer_len}  # fmt: skip
+
+
+def _run(name: str, round_index: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, one round: a fresh cluster, the same conversations as the other
+    configurations of this round (seeded by the round), the bench's figures."""
+    from disagg.engine.checkpoint import resolve_model  # torch: only once we run
+
+    model_dir = str(resolve_model(args.model))
+    log_dir = Path(tempfile.mkdtemp(prefix="multiturn-bench-"))
+    config = ClusterConfig(model=args.model, port=0, log_dir=log_dir / f"{name}-{round_index}",
+                           **CONFIGS[name])  # fmt: skip
+    print(f"multiturn_bench: {name}, round {round_index + 1}/{args.rounds}", file=sys.stderr)
+    with Cluster(config) as cluster:
+        bench = BenchConfig(base_url=cluster.url, workload=_workload(args, round_index),
+                            tokenizer=model_dir, warmup=2)  # fmt: skip
+        result = asyncio.run(run_benchmark(bench))
+    keys = ("completed", "failed", "median_ttft_ms_by_turn", *_FIGURES)
+    return {"config": name, "round": round_index, **{k: result[k] for k in keys}}
+
+
+def _medians(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per configuration: the median over rounds of each figure, and its ratio to the first
+    configuration's (measured in the same rounds, side by side)."""
+    rows = []
+    for name in names:
+        mine = [run for run in runs if run["config"] == name]
+        rows.append(
+            {"config": name, **{f: statistics.median(r[f] for r in mine) for f in _FIGURES}}
+        )
+    for row in rows:
+        for figure in _FIGURES:
+            base = rows[0][figure]
+            row[f"{figure}_vs_{names[0]}"] = row[figure] / base if base else math.nan
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["config"]
+    print(f"{'config':<10} {'TTFT turns>=2 ms':>17} {'TTFT all ms':>12} {'tok/s':>8}"
+          f"   vs {base}: TTFT turns>=2, tok/s")  # fmt: skip
+    for row in rows:
+        later = format_cell(row["median_ttft_ms_later_turns"], 17)
+        ratios = (row[f"median_ttft_ms_later_turns_vs_{base}"], row[f"output_throughput_vs_{base}"])
+        print(f"{row['config']:<10} {later} {format_cell(row['median_ttft_ms'], 12)} "
+              f"{row['output_throughput']:>8.1f}   {ratios[0]:.2f}x, {ratios[1]:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
