@@ -38,6 +38,7 @@ from disagg.cluster.launcher import Cluster
 CONFIGS: dict[str, dict[str, Any]] = {
     "agg2-rr": {"mode": "aggregated", "num_decode": 2, "policy": "round_robin"},
     "agg2-ll": {"mode": "aggregated", "num_decode": 2, "policy": "least_loaded"},
+    "agg2-kv": {"mode": "aggregated", "num_decode": 2, "policy": "kv_aware"},
     "pull-ll": {"mode": "pull", "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"},
     "push-ll": {"mode": "push", "num_prefill": 1, "num_decode": 2, "policy": "least_loaded"},
 }
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="agg2-rr,agg2-ll,pull-ll,push-ll")
+    p.add_argument("--configs", default="agg2-ll,agg2-kv,agg2-rr,pull-ll,push-ll")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--conversations", type=int, default=8)

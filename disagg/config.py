@@ -50,7 +50,7 @@ TransportName = Literal["auto", "nixl", "tcp", "local"]
 FailurePolicy = Literal["fail", "recompute"]
 PullSetup = Literal["background", "inline"]
 RouterMode = Literal["aggregated", "pull", "push"]
-PolicyName = Literal["round_robin", "least_loaded"]
+PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
 AttentionBackend = Literal["auto", "native", "torch"]
 
 
@@ -299,8 +299,15 @@ class RouterConfig:
     # heartbeat; instances named in prefill_urls / decode_urls never are.
     heartbeat_timeout_s: float = 3.0
     # Follow every instance's prefix cache (GET /kv/events, signed) into an index of at most
-    # this many block digests, for placement that knows where the KV is; 0 = off.
+    # this many block digests, for placement that knows where the KV is; 0 = off, or 65536
+    # (about 25 MB) under policy kv_aware.
     kv_index_max_blocks: int = 0
+    # kv_aware: what one request already on an instance weighs against prompt tokens to compute
+    # (its cost: uncached prompt tokens + queued prefill tokens + this x requests there).
+    kv_aware_request_tokens: int = 64
+    # A tokenizer.json or model directory: lets kv_aware match text and chat prompts (token-id
+    # prompts need none). It must be the instances' tokenizer, or nothing will match.
+    tokenizer: str = ""
     header_timeout_s: float = HEADER_TIMEOUT_S  # a client's request headers, then we hang up
     body_timeout_s: float = BODY_TIMEOUT_S  # a client's whole body, then HTTP 408
     # A leg that never reached its instance (connection refused) goes to another one, at most
@@ -344,9 +351,11 @@ class RouterConfig:
             self, "load_poll_interval_s", "request_timeout_s", "max_request_bytes",
             "heartbeat_timeout_s", "header_timeout_s", "body_timeout_s",
         )  # fmt: skip
-        _check_not_negative(self, "max_prompt_chars", "kv_index_max_blocks")
-        if self.kv_index_max_blocks and not self.cluster_token:
-            raise ValueError("kv_index_max_blocks needs the cluster token (/kv/events is signed)")
+        _check_not_negative(self, "max_prompt_chars", "kv_index_max_blocks",
+                            "kv_aware_request_tokens")  # fmt: skip
+        if (self.kv_index_max_blocks or self.policy == "kv_aware") and not self.cluster_token:
+            raise ValueError("kv_aware and kv_index_max_blocks need the cluster token: they "
+                             "follow the instances' /kv/events, a signed route")  # fmt: skip
         _check_resilience(self)
         _check_token("a pull or push router", self.cluster_token,
                      is_required=self.mode != "aggregated")  # fmt: skip

@@ -7,6 +7,7 @@ in a `finally`, and each ends by checking that no child process is left.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -88,6 +89,9 @@ def test_flags_win_over_file(tmp_path: Path) -> None:
     assert ["--role", "prefill", "--kv-connector", "pull"] == cmd[cmd.index("--role") :][:4]
     route = cfg.route_command({"prefill": ["p0", "p1"], "decode": ["d0"]}, 9)
     assert route[route.index("--prefill") :] == ["--prefill", "p0", "p1", "--decode", "d0"]
+    assert "--tokenizer" not in cfg.route_command({}, 9, Path("m"))  # only kv_aware needs it
+    kv_aware = dataclasses.replace(cfg, policy="kv_aware").route_command({}, 9, Path("m"))
+    assert kv_aware[kv_aware.index("--tokenizer") + 1] == "m"  # to match text prompts
 
 
 def test_one_cluster_file_serves_both_backends(tmp_path: Path) -> None:

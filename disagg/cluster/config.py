@@ -139,10 +139,15 @@ class ClusterConfig:
         role_args = self.prefill_args if role == "prefill" else self.decode_args
         return cmd + list(self.serve_args) + list(role_args)
 
-    def route_command(self, urls: dict[str, list[str]], port: int) -> list[str]:
-        """argv of the router over `urls` (role -> instance base URLs)."""
+    def route_command(
+        self, urls: dict[str, list[str]], port: int, model_dir: Path | None = None
+    ) -> list[str]:
+        """argv of the router over `urls` (role -> instance base URLs). Under kv_aware the
+        router gets the instances' tokenizer (`model_dir`), to match text prompts too."""
         cmd = [sys.executable, "-m", "disagg.cli", "route", "--mode", self.mode]
         cmd += ["--policy", self.policy, "--host", self.host, "--port", str(port)]
+        if self.policy == "kv_aware" and model_dir is not None:
+            cmd += ["--tokenizer", str(model_dir)]
         if urls.get("prefill"):
             cmd += ["--prefill", *urls["prefill"]]
         # The router follows the decode instances' failure policy: under recompute it also

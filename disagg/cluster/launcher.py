@@ -103,7 +103,7 @@ class Cluster(StartStop):
         for child in self._instances:
             self._spawn(child)
         self._wait_healthy(self._instances, deadline, should_stop)
-        self._router = self._plan_router()
+        self._router = self._plan_router(model_dir)
         self._spawn(self._router)
         self._wait_healthy([self._router], deadline, should_stop)
         dead = self.dead_process()
@@ -143,13 +143,13 @@ class Cluster(StartStop):
             children.append(Child(name, role, command, cfg.host, port, log_path))
         return children
 
-    def _plan_router(self) -> Child:
+    def _plan_router(self, model_dir: Path) -> Child:
         assert self.log_dir is not None
         urls = self.instance_urls
         port = self.config.port or free_port()
 
         def command(port: int) -> list[str]:
-            return self.config.route_command(urls, port)
+            return self.config.route_command(urls, port, model_dir)
 
         log_path = self.log_dir / "router.log"
         is_ours = self.config.port == 0

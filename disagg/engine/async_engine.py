@@ -195,7 +195,8 @@ class AsyncEngine:
         events = self.engine.kv_events if self.engine is not None else None
         if events is None:
             return {"epoch": "", "seq": 0, "snapshot": []}  # no prefix cache: nothing to find
-        return events.since(epoch, seq)
+        # The block size keys the digests: a router hashing a prompt must use the same one.
+        return {**events.since(epoch, seq), "block_size": self.config.cache.block_size}
 
     def kv_info(self) -> dict[str, Any]:
         connector = self.engine.kv_worker if self.engine is not None else None

@@ -27,13 +27,14 @@ from disagg.router.call import make_body_parser, parse_call
 from disagg.router.flows import Flows
 from disagg.router.instances import InstancePool
 from disagg.router.kv_follow import KVFollower
-from disagg.router.kv_index import KVIndex
 from disagg.router.legs import CONNECT_TIMEOUT_S, Legs
 from disagg.router.membership import add_membership_routes
 from disagg.router.metrics import RouterMetrics
 from disagg.router.middleware import api_key_middleware, error_middleware
+from disagg.router.prompt_ids import prompt_token_ids
 from disagg.router.relay import CLIENT_GONE, RouteError, error_object
 from disagg.security.http_guard import GuardedRunner, body_deadline_middleware
+from disagg.server.tokenizer import Tokenizer
 
 __all__ = ["Router", "make_app", "start_server"]
 
@@ -58,9 +59,12 @@ class Router:
         self.legs = Legs(cfg, self.pool, self.metrics)
         self.flows = Flows(cfg, self.legs, self.pool, self.metrics)
         self.body_parser = make_body_parser()
-        # Where the instances' prefix caches stand (off unless --kv-index-max-blocks).
-        self.kv_index = KVIndex(cfg.kv_index_max_blocks) if cfg.kv_index_max_blocks else None
-        self.kv_follow = KVFollower(cfg, self.pool, self.kv_index) if self.kv_index else None
+        # Where the instances' prefix caches stand (kv_aware, or --kv-index-max-blocks).
+        self.kv_index = self.pool.kv_index
+        self.tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer else None
+        self.kv_follow = (
+            None if self.kv_index is None else KVFollower(cfg, self.pool, self.kv_index)
+        )
 
     async def startup(self, _app: web.Application) -> None:
         self.legs.start()
@@ -89,6 +93,8 @@ class Router:
         try:
             max_prompt_chars = self.cfg.max_prompt_chars or None
             call = await parse_call(request, request_id, max_prompt_chars, self.body_parser)
+            if self.pool.kv_index is not None:  # the policy weighs cached prefixes
+                call.prompt_ids = await prompt_token_ids(call.body, call.path, self.tokenizer)
             async with self.admission.slot():  # held until relayed
                 relayed = await self.flows.dispatch(call)
             status = relayed.status

@@ -40,6 +40,7 @@ class Call:
     request_id: str  # sent to every leg as X-Request-Id
     upstream_headers: dict[str, str]
     started_s: float = field(default_factory=time.monotonic)
+    prompt_ids: list[int] | None = None  # as the instances will tokenize it, when known
 
     def body_with(self, params: KVTransferParams) -> dict[str, Any]:
         """The client's body carrying `params` (the form a decode leg is sent)."""
@@ -49,7 +50,8 @@ class Call:
         """The same client request under a new id (the legs of the first try may still hold
         the old one while their aborts land)."""
         headers = {**self.upstream_headers, "X-Request-Id": request_id}
-        return Call(self.request, self.path, self.body, request_id, headers, self.started_s)
+        return Call(self.request, self.path, self.body, request_id, headers, self.started_s,
+                    self.prompt_ids)  # fmt: skip
 
 
 def push_params(

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -20,6 +20,7 @@ import yarl
 
 from disagg.config import RouterConfig
 from disagg.router.breaker import CircuitBreaker
+from disagg.router.kv_index import KVIndex
 from disagg.router.policy import InstanceRole, InstanceView, Load, Policy, make_policy
 
 __all__ = [
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_INTERVAL_S = 0.5  # how often /health is probed; load polling has its own interval
 PROBE_TIMEOUT_S = 2.0  # one /health, /load or /kv_info probe
 LATE_BINDING_TIMEOUT_S = 0.5  # /load refresh on a request's path: stale beats a slow TTFT
+KV_AWARE_INDEX_BLOCKS = 65536  # digests the router keeps under kv_aware (about 25 MB)
 
 PoolName = Literal["prefill", "decode"]
 Source = Literal["static", "registered"]  # named on the command line, or registered itself
@@ -146,10 +148,13 @@ class InstancePool:
         prefill_urls = () if is_aggregated else cfg.prefill_urls
         self.prefill = [self._new(normalize_url(u), "prefill") for u in prefill_urls]
         self.decode = [self._new(normalize_url(u), self.decode_role) for u in cfg.decode_urls]
+        tokens = cfg.kv_aware_request_tokens
         self._policies: dict[PoolName, Policy] = {
-            "prefill": make_policy(cfg.policy),
-            "decode": make_policy(cfg.policy),
+            "prefill": make_policy(cfg.policy, request_tokens=tokens),
+            "decode": make_policy(cfg.policy, request_tokens=tokens),
         }
+        size = cfg.kv_index_max_blocks or (KV_AWARE_INDEX_BLOCKS if cfg.policy == "kv_aware" else 0)
+        self.kv_index = KVIndex(size) if size else None  # fed by kv_follow.py
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()  # first probes of new registrations
@@ -160,7 +165,7 @@ class InstancePool:
 
     @property
     def uses_load(self) -> bool:
-        return self.cfg.policy == "least_loaded"
+        return self.cfg.policy in ("least_loaded", "kv_aware")
 
     def is_ready(self) -> bool:
         """At least one instance taking work in every pool this mode needs."""
@@ -238,15 +243,30 @@ class InstancePool:
         wanted = "both" if self.cfg.mode == "aggregated" else "prefill or decode"
         raise MembershipError(f"a {self.cfg.mode} router takes {wanted} instances, not {role!r}")
 
-    def pick(self, pool: PoolName) -> Instance:
-        """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy."""
+    def pick(self, pool: PoolName, prompt_ids: list[int] | None = None) -> Instance:
+        """Ask the pool's policy; raises NoHealthyInstanceError when nothing is healthy.
+        `prompt_ids`: the request's, when known, for a policy that weighs cached prefixes."""
         candidates = self.prefill if pool == "prefill" else self.decode
         now_s = time.monotonic()
         views = [inst.view(now_s) for inst in candidates]
+        if prompt_ids and self.kv_index is not None and self._prefills(pool):
+            views = self._with_cache(views, prompt_ids)
         chosen = candidates[self._policies[pool].choose(views)]
         chosen.num_pending += 1
         chosen.breaker.on_picked(now_s)
         return chosen
+
+    def _prefills(self, pool: PoolName) -> bool:
+        """Whether the pool's instances compute prompts (a decode instance of a P/D cluster
+        receives them whole: its cache does not shorten a prefill yet)."""
+        return pool == "prefill" or self.cfg.mode == "aggregated"
+
+    def _with_cache(self, views: list[InstanceView], prompt_ids: list[int]) -> list[InstanceView]:
+        assert self.kv_index is not None
+        digests: dict[int, list[str]] = {}  # per block size, for every candidate alike
+        cached = [self.kv_index.num_cached_tokens(v.url, prompt_ids, digests) for v in views]
+        return [replace(v, num_prompt_tokens=len(prompt_ids), num_cached_tokens=n)
+                for v, n in zip(views, cached, strict=True)]  # fmt: skip
 
     def note_served(self, inst: Instance) -> None:
         """A leg this instance answered (any status it chose to give: a 4xx is the request's)."""

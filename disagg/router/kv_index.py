@@ -12,6 +12,9 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from disagg.engine.block_pool import hash_blocks
+from disagg.engine.kv_events import wire_digest
+
 __all__ = ["KVIndex"]
 
 _DIGEST = re.compile(r"[0-9a-f]{16}")  # engine/kv_events.py: 8 bytes, hex
@@ -25,6 +28,7 @@ class KVIndex:
         self.max_digests = max_digests
         self._where: OrderedDict[str, set[str]] = OrderedDict()  # digest -> instance urls
         self._cursor: dict[str, tuple[str, int]] = {}  # url -> (epoch, seq) last applied
+        self._block_size: dict[str, int] = {}  # url -> tokens per block (digests depend on it)
 
     def __len__(self) -> int:
         return len(self._where)
@@ -48,6 +52,9 @@ class KVIndex:
     def apply(self, url: str, answer: Any) -> None:
         """One `/kv/events` answer from `url`. ValueError (nothing applied) if malformed."""
         epoch, seq, reports = _parse(answer)
+        block_size = answer.get("block_size")
+        if block_size is not None and (type(block_size) is not int or block_size <= 0):
+            raise ValueError("kv events: block_size must be an integer > 0")
         if reports is None:  # a snapshot: everything `url` holds now
             self.forget(url)
             self._store(url, answer["snapshot"])
@@ -55,6 +62,8 @@ class KVIndex:
             for kind, digests in reports:
                 (self._store if kind == "stored" else self._remove)(url, digests)
         self._cursor[url] = (epoch, seq)
+        if block_size is not None:
+            self._block_size[url] = block_size
 
     def forget(self, url: str) -> None:
         """`url` holds nothing we know of (it left, restarted, or sent a snapshot)."""
@@ -70,6 +79,19 @@ class KVIndex:
                 break
             n += 1
         return n
+
+    def num_cached_tokens(
+        self, url: str, prompt_ids: list[int], digests: dict[int, list[str]]
+    ) -> int:
+        """Prompt tokens `url` holds as leading full blocks. `digests` memoizes the prompt's
+        chained digests per block size over the candidates of one choice."""
+        block_size = self._block_size.get(url)
+        if block_size is None:
+            return 0
+        if block_size not in digests:
+            hashes = hash_blocks(None, prompt_ids, block_size)
+            digests[block_size] = [wire_digest(h) for h in hashes]
+        return self.num_cached(url, digests[block_size]) * block_size
 
     def _store(self, url: str, digests: list[str]) -> None:
         where = self._where

@@ -74,13 +74,15 @@ class Legs:
 
     # ---- where a leg goes -----------------------------------------------------------------
 
-    def pick(self, pool: PoolName) -> Instance:
-        """The policy's choice. No healthy prefill instance is the prefill leg's failure (503),
-        which policy recompute answers on a decode instance like any other."""
+    def pick(self, pool: PoolName, call: Call | None = None) -> Instance:
+        """The policy's choice (for `call`'s prompt, when kv_aware weighs cached prefixes). No
+        healthy prefill instance is the prefill leg's failure (503), which policy recompute
+        answers on a decode instance like any other."""
+        prompt_ids = call.prompt_ids if call is not None else None
         if pool == "decode":
-            return self.pool.pick("decode")
+            return self.pool.pick("decode", prompt_ids)
         try:
-            return self.pool.pick("prefill")
+            return self.pool.pick("prefill", prompt_ids)
         except NoHealthyInstanceError as exc:
             raise RouteError.of(503, str(exc), leg="prefill") from exc
 
@@ -94,7 +96,7 @@ class Legs:
         """`send` the leg to the policy's pick from `pool`. A leg that never reached its
         instance (so nothing of it went to the client) goes to another pick after a backoff,
         while the request's budget lasts and some other instance is healthy."""
-        inst = self.pick(pool)
+        inst = self.pick(pool, call)
         while True:
             try:
                 return inst, await send(inst)
@@ -103,7 +105,7 @@ class Legs:
                 if wait_s is None:
                     raise
             await asyncio.sleep(wait_s)
-            inst = self.pick(pool)
+            inst = self.pick(pool, call)
 
     def retry_wait(self, call: Call, exc: RouteError, retries: RetryBudget) -> float | None:
         """The backoff before resending the failed leg, or None when it must not be: it

@@ -105,10 +105,16 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
      "seconds a request waits for a free slot, then HTTP 503 (default: %(default)s)"),
     ("kv_index_max_blocks", "--kv-index-max-blocks", "follow every instance's prefix cache "
      "(GET /kv/events, signed: needs the cluster token) into an index of at most this many "
-     "block digests, shown per instance in /instances; 0 = off (default: %(default)s)"),
+     "block digests, shown per instance in /instances; 0 = off, or 65536 under kv_aware "
+     "(default: %(default)s)"),
+    ("kv_aware_request_tokens", "--kv-aware-request-tokens", "kv_aware's cost of an instance "
+     "is the prompt tokens it must still compute + its queued prefill tokens + this many per "
+     "request already there (default: %(default)s)"),
+    ("tokenizer", "--tokenizer", "the instances' model directory: lets kv_aware match text and "
+     "chat prompts against their caches (token-id prompts need none)"),
 )  # fmt: skip
 _METAVARS = {"advertise_url": "URL", "tls_cert_file": "PEM", "tls_key_file": "PEM",
-             "tls_ca_file": "PEM"}  # fmt: skip
+             "tls_ca_file": "PEM", "tokenizer": "DIR"}  # fmt: skip
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:

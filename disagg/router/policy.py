@@ -7,6 +7,7 @@ asks a policy for an index; polling and HTTP live in `instances.py` and `legs.py
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,6 +15,7 @@ from typing import Any, Literal
 __all__ = [
     "InstanceRole",
     "InstanceView",
+    "KVAwarePolicy",
     "LeastLoadedPolicy",
     "Load",
     "NoHealthyInstanceError",
@@ -71,6 +73,10 @@ class InstanceView:
     is_healthy: bool
     load: Load | None = None  # None until the first /load answer
     num_pending: int = 0  # requests this router sent it since `load` was taken
+    # kv_aware: the request's prompt length and how much of it this instance's prefix cache
+    # holds, as far as the router's index knows (0 and 0 when it cannot tell).
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class Policy(abc.ABC):
@@ -110,6 +116,36 @@ class LeastLoadedPolicy(Policy):
         return index
 
 
+class KVAwarePolicy(Policy):
+    """Lowest cost wins, in prompt tokens: what the instance must still compute for this
+    request (its prompt less the prefix the instance holds) plus what it has queued (prompt
+    tokens not yet prefilled) plus `request_tokens` for each request already there. So a
+    conversation stays where its history is cached until the queue there costs more than
+    recomputing it elsewhere. Without a snapshot an instance sorts after all others; ties
+    rotate."""
+
+    def __init__(self, request_tokens: int) -> None:
+        self.request_tokens = request_tokens
+        self._num_ties = 0
+
+    def choose(self, candidates: Sequence[InstanceView]) -> int:
+        healthy = _healthy_indices(candidates)
+        costs = {i: self.cost(candidates[i]) for i in healthy}
+        best = min(costs.values())
+        tied = [i for i in healthy if costs[i] == best]
+        index = tied[self._num_ties % len(tied)]
+        self._num_ties += 1
+        return index
+
+    def cost(self, view: InstanceView) -> float:
+        load = view.load
+        if load is None:
+            return math.inf
+        num_requests = load.num_running + load.num_waiting + view.num_pending
+        to_compute = max(0, view.num_prompt_tokens - view.num_cached_tokens)
+        return to_compute + load.num_queued_prefill_tokens + self.request_tokens * num_requests
+
+
 def load_key(view: InstanceView) -> tuple[int, ...]:
     """Sort key, smaller is less loaded. An instance without a snapshot sorts after all others.
 
@@ -129,13 +165,16 @@ def load_key(view: InstanceView) -> tuple[int, ...]:
     return (0, num_requests, -load.num_free_blocks)
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy object for one role; `name` as in RouterConfig.policy."""
+def make_policy(name: str, *, request_tokens: int = 64) -> Policy:
+    """A fresh policy object for one role; `name` as in RouterConfig.policy
+    (`request_tokens`: kv_aware's weight of a request already on an instance)."""
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy()
-    raise ValueError(f"policy must be round_robin or least_loaded, got {name!r}")
+    if name == "kv_aware":
+        return KVAwarePolicy(request_tokens)
+    raise ValueError(f"policy must be round_robin, least_loaded or kv_aware, got {name!r}")
 
 
 def _healthy_indices(candidates: Sequence[InstanceView]) -> list[int]:

@@ -84,7 +84,7 @@ class PushFlow:
         return relayed
 
     async def _send_pair(self, call: Call) -> _Pair:
-        prefill, decode = self.legs.pick("prefill"), self.pool.pick("decode")
+        prefill, decode = self.legs.pick("prefill", call), self.pool.pick("decode")
         info = await self.legs.kv_identity(prefill, "prefill")
         d_info = await self.legs.kv_identity(decode, "decode")
         assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable

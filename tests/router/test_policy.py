@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from disagg.router.policy import (
     InstanceView,
+    KVAwarePolicy,
     LeastLoadedPolicy,
     Load,
     NoHealthyInstanceError,
@@ -105,3 +108,28 @@ def test_make_policy() -> None:
     assert isinstance(make_policy("least_loaded"), LeastLoadedPolicy)
     with pytest.raises(ValueError, match="random"):
         make_policy("random")
+
+
+def _cached(name: str, prompt: int, cached: int, **load: int) -> InstanceView:
+    base = view(name, role="both", **{"num_running": 0, **load})
+    return dataclasses.replace(base, num_prompt_tokens=prompt, num_cached_tokens=cached)
+
+
+def test_kv_aware_goes_where_the_prefix_is_cached_until_the_queue_costs_more() -> None:
+    policy = KVAwarePolicy(request_tokens=64)
+    warm, cold = _cached("warm", 1000, 900, num_running=2), _cached("cold", 1000, 0)
+    assert policy.choose([cold, warm]) == 1  # 100 + 2 x 64 < 1000
+    queued = _cached("warm", 1000, 900, num_running=2, num_queued_prefill_tokens=900)
+    assert policy.choose([cold, queued]) == 0  # 100 + 900 + 128 > 1000
+    assert policy.cost(_cached("x", 10, 50)) == 0  # a cache longer than the prompt costs 0
+
+
+def test_kv_aware_without_cache_figures_weighs_load_and_rotates_ties() -> None:
+    policy = KVAwarePolicy(request_tokens=64)
+    a, b = view("a", role="both", num_running=1), view("b", role="both", num_running=1)
+    assert [policy.choose([a, b]) for _ in range(4)] == [0, 1, 0, 1]
+    unknown = view("unknown", role="both")  # no /load yet: after every known one
+    assert policy.choose([unknown, view("busy", role="both", num_running=9)]) == 1
+    with pytest.raises(NoHealthyInstanceError):
+        policy.choose([view("down", healthy=False, num_running=0)])
+    assert isinstance(make_policy("kv_aware", request_tokens=8), KVAwarePolicy)

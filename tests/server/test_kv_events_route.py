@@ -14,6 +14,7 @@ from disagg.router.instances import InstancePool
 from disagg.router.kv_follow import KVFollower
 from disagg.router.kv_index import KVIndex
 from disagg.security import auth
+from tests.router.fakes import running_router
 from tests.server.conftest import CLUSTER_TOKEN
 
 
@@ -71,3 +72,25 @@ def test_a_follower_drops_an_answer_signed_with_another_token(serve) -> None:  #
 
     asyncio.run(follow())  # the instance refuses the call (401): nothing is applied
     assert index.followed() == set() and len(index) == 0
+
+
+def test_a_kv_aware_router_follows_its_instances_by_itself(serve) -> None:  # type: ignore[no-untyped-def]
+    """The whole router app (regression: an empty index is falsy, and the follower was never
+    built, so kv_aware placed by load alone): its /instances shows the instance's cache."""
+    engine, server = serve()
+
+    async def main() -> None:
+        router_cfg = {"decode_urls": (server.url,), "policy": "kv_aware",
+                      "cluster_token": CLUSTER_TOKEN, "load_poll_interval_s": 0.02}  # fmt: skip
+        async with running_router(**router_cfg) as url, aiohttp.ClientSession() as session:
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:
+                async with session.get(f"{url}/instances") as resp:
+                    (view,) = await resp.json()
+                if view["kv_index_blocks"] == 1:
+                    return
+                assert asyncio.get_running_loop().time() < deadline, view
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert engine.kv_events_asked  # the router asked the instance itself
