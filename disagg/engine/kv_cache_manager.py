@@ -50,6 +50,12 @@ class KVCacheManager:
         request.num_computed_tokens = len(hits) * bs
         request.num_cached_tokens = max(request.num_cached_tokens, len(hits) * bs)
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens match_prefix would reuse now (nothing is referenced): an estimate for
+        the load a router reads, which an eviction before the request starts can undo."""
+        hashes = self._chain_hashes(request, (request.num_tokens - 1) // self.block_size)
+        return len(self.block_pool.lookup(hashes)) * self.block_size
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish every newly completed block under its hash, for later prefix matches."""
         bs = self.block_size

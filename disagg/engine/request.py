@@ -74,6 +74,7 @@ class Request:
     kv_result: KVTransferParams | None = None  # kv_transfer_params returned to the caller
     needs_remote_kv: bool = False  # decode side: prompt KV still to come from a prefill instance
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
+    queued_uncached_tokens: int = 0  # while waiting: tokens the cache was not expected to cover
     first_scheduled_s: float | None = None
     breakdown: TTFTBreakdown = field(default_factory=TTFTBreakdown)
 

@@ -42,7 +42,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
         self.requests: dict[str, Request] = {}  # every request not yet released
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(self.kv.num_cached_prefix_tokens)
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.sending: dict[str, Request] = {}  # WAITING_FOR_KV_SEND
@@ -367,9 +367,8 @@ class Scheduler:
     def load(self) -> dict[str, int]:
         # Waiting requests hold no computed tokens between steps (a head that could not start
         # is reset), so the queue's token sum is what is left to prefill there.
-        queued = self.waiting.num_tokens
         # A running request with more than one token left is mid-prefill (decodes have one).
-        queued += sum(
+        prefilling = sum(
             left for r in self.running if (left := r.num_tokens - r.num_computed_tokens) > 1
         )
         return {
@@ -377,7 +376,9 @@ class Scheduler:
             "num_waiting": len(self.waiting) + len(self.waiting_for_kv),
             "num_free_blocks": self.block_pool.num_free_blocks,
             "num_total_blocks": self.block_pool.num_blocks,
-            "num_queued_prefill_tokens": queued,
+            "num_queued_prefill_tokens": self.waiting.num_tokens + prefilling,
+            # the same less what the prefix cache is expected to cover (for kv_aware)
+            "num_queued_uncached_tokens": self.waiting.num_uncached_tokens + prefilling,
         }
 
 

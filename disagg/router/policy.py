@@ -49,6 +49,9 @@ class Load:
     num_free_blocks: int  # KV blocks free in the pool
     num_total_blocks: int  # KV blocks in the pool
     num_queued_prefill_tokens: int  # prompt tokens not yet prefilled, over all requests
+    # The same less what the instance's prefix cache is expected to cover (None: not reported,
+    # an instance of an older version: kv_aware then counts every queued token).
+    num_queued_uncached_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> Load:
@@ -61,7 +64,12 @@ class Load:
             if type(value) is not int or value < 0:
                 raise ValueError(f"load.{name} must be an integer >= 0, got {value!r}")
             values[name] = value
-        return cls(**values)
+        uncached = raw.get("num_queued_uncached_tokens")
+        if uncached is not None and (type(uncached) is not int or uncached < 0):
+            raise ValueError(
+                f"load.num_queued_uncached_tokens must be an integer >= 0, got {uncached!r}"
+            )
+        return cls(**values, num_queued_uncached_tokens=uncached)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,7 +127,8 @@ class LeastLoadedPolicy(Policy):
 class KVAwarePolicy(Policy):
     """Lowest cost wins, in prompt tokens: what the instance must still compute for this
     request (its prompt less the prefix the instance holds) plus what it has queued (prompt
-    tokens not yet prefilled) plus `request_tokens` for each request already there. So a
+    tokens not yet prefilled, less what its own cache is expected to cover: a queued turn's
+    history is cached too) plus `request_tokens` for each request already there. So a
     conversation stays where its history is cached until the queue there costs more than
     recomputing it elsewhere. Without a snapshot an instance sorts after all others; ties
     rotate."""
@@ -143,7 +152,10 @@ class KVAwarePolicy(Policy):
             return math.inf
         num_requests = load.num_running + load.num_waiting + view.num_pending
         to_compute = max(0, view.num_prompt_tokens - view.num_cached_tokens)
-        return to_compute + load.num_queued_prefill_tokens + self.request_tokens * num_requests
+        queued = load.num_queued_uncached_tokens
+        if queued is None:
+            queued = load.num_queued_prefill_tokens
+        return to_compute + queued + self.request_tokens * num_requests
 
 
 def load_key(view: InstanceView) -> tuple[int, ...]:

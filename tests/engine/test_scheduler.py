@@ -179,4 +179,22 @@ def test_load_snapshot():
         "num_free_blocks",
         "num_total_blocks",
         "num_queued_prefill_tokens",
+        "num_queued_uncached_tokens",
     }
+
+
+def test_load_counts_queued_tokens_a_cached_prefix_covers_apart():
+    """kv_aware weighs an instance's queue: a queued turn whose history the cache holds is
+    little work, and the load says so (the plain queued-token count is unchanged)."""
+    sched = make_scheduler(max_num_batched_tokens=64)  # block size 4 (the fakes')
+    history = list(range(100, 132))  # 8 full blocks
+    sched.add_request(make_request(prompt=history, max_tokens=1))
+    drain(sched, FakeRunner())  # computed and cached, then freed (cached-free)
+    sched.add_request(make_request(prompt=[*history, 7, 8, 9], max_tokens=1))
+    sched.add_request(make_request(prompt=list(range(500, 520)), max_tokens=1))
+    load = sched.load()
+    assert load["num_queued_prefill_tokens"] == 35 + 20
+    assert load["num_queued_uncached_tokens"] == 3 + 20  # 32 of the first are cached
+    drain(sched, FakeRunner())
+    assert sched.load()["num_queued_uncached_tokens"] == 0
+    assert_no_leaks(sched)

@@ -133,3 +133,18 @@ def test_kv_aware_without_cache_figures_weighs_load_and_rotates_ties() -> None:
     with pytest.raises(NoHealthyInstanceError):
         policy.choose([view("down", healthy=False, num_running=0)])
     assert isinstance(make_policy("kv_aware", request_tokens=8), KVAwarePolicy)
+
+
+def test_kv_aware_counts_only_the_uncached_part_of_a_queue_when_told() -> None:
+    policy = KVAwarePolicy(request_tokens=0)
+    base = make_load(num_queued_prefill_tokens=5000)
+    told = dataclasses.replace(base, num_queued_uncached_tokens=300)
+    assert policy.cost(InstanceView(url="a", role="both", is_healthy=True, load=told)) == 300
+    assert policy.cost(InstanceView(url="b", role="both", is_healthy=True, load=base)) == 5000
+    assert Load.from_dict({**_fields(told)}).num_queued_uncached_tokens == 300
+    with pytest.raises(ValueError, match="uncached"):
+        Load.from_dict({**_fields(base), "num_queued_uncached_tokens": -1})
+
+
+def _fields(load: Load) -> dict[str, object]:
+    return {name: getattr(load, name) for name in load.__dataclass_fields__}
