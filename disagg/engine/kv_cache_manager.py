@@ -52,7 +52,11 @@ class KVCacheManager:
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens match_prefix would reuse now (nothing is referenced): an estimate for
-        the load a router reads, which an eviction before the request starts can undo."""
+        the load a router reads, which an eviction before the request starts can undo. 0
+        without hashing when no match will be made: caching off, or a decode-side request
+        whose KV comes from a prefill instance (never matched here)."""
+        if request.needs_remote_kv or not self.block_pool.enable_caching:
+            return 0
         hashes = self._chain_hashes(request, (request.num_tokens - 1) // self.block_size)
         return len(self.block_pool.lookup(hashes)) * self.block_size
 

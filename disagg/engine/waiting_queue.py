@@ -66,8 +66,8 @@ class WaitingQueue:
             or any(computed for _, computed in queued)
         ):
             raise AssertionError(
-                f"waiting queue's token sum {self.num_tokens} is stale, or a waiting "
-                f"request holds computed tokens: {queued[:8]}"
+                f"waiting queue's token sums {self.num_tokens} / {self.num_uncached_tokens} "
+                f"(uncached) are stale, or a waiting request holds computed tokens: {queued[:8]}"
             )
 
     def __getitem__(self, index: int) -> Request:

@@ -59,12 +59,11 @@ class Router:
         self.legs = Legs(cfg, self.pool, self.metrics)
         self.flows = Flows(cfg, self.legs, self.pool, self.metrics)
         self.body_parser = make_body_parser()
-        # Where the instances' prefix caches stand (kv_aware, or --kv-index-max-blocks).
-        self.kv_index = self.pool.kv_index
         self.tokenizer = Tokenizer.from_dir(cfg.tokenizer) if cfg.tokenizer else None
-        self.kv_follow = (
-            None if self.kv_index is None else KVFollower(cfg, self.pool, self.kv_index)
-        )
+        # Keeps the pool's index of the instances' prefix caches (kv_aware, or
+        # --kv-index-max-blocks) current.
+        index = self.pool.kv_index
+        self.kv_follow = None if index is None else KVFollower(cfg, self.pool, index)
 
     async def startup(self, _app: web.Application) -> None:
         self.legs.start()
@@ -128,9 +127,9 @@ class Router:
 
     async def list_instances(self, _request: web.Request) -> web.Response:
         now_s = time.monotonic()
-        held = self.kv_index.num_held() if self.kv_index is not None else {}
         views = [inst.to_dict(now_s) for inst in self.pool.instances]
-        if self.kv_index is not None:  # blocks of each prefix cache the index knows of
+        if self.pool.kv_index is not None:  # blocks of each prefix cache the index knows of
+            held = self.pool.kv_index.num_held()
             views = [{**view, "kv_index_blocks": held.get(view["url"], 0)} for view in views]
         return web.json_response(views)
 

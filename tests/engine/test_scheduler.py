@@ -198,3 +198,12 @@ def test_load_counts_queued_tokens_a_cached_prefix_covers_apart():
     drain(sched, FakeRunner())
     assert sched.load()["num_queued_uncached_tokens"] == 0
     assert_no_leaks(sched)
+
+
+def test_a_decode_side_request_is_not_hashed_for_the_estimate():
+    """Its KV comes from a prefill instance and is never matched here: estimating its cache
+    hit would put a SHA-256 pass over every prompt on the decode loop for nothing."""
+    sched = make_scheduler()
+    request = make_request(num_tokens=40, remote_prefill=True, first_token_id=1)
+    sched.add_request(request)
+    assert request.chain_hashes == [] and request.queued_uncached_tokens == 40
