@@ -51,10 +51,7 @@ class KVIndex:
 
     def apply(self, url: str, answer: Any) -> None:
         """One `/kv/events` answer from `url`. ValueError (nothing applied) if malformed."""
-        epoch, seq, reports = _parse(answer)
-        block_size = answer.get("block_size")
-        if block_size is not None and (type(block_size) is not int or block_size <= 0):
-            raise ValueError("kv events: block_size must be an integer > 0")
+        epoch, seq, block_size, reports = _parse(answer)
         if reports is None:  # a snapshot: everything `url` holds now
             self.forget(url)
             self._store(url, answer["snapshot"])
@@ -68,6 +65,7 @@ class KVIndex:
     def forget(self, url: str) -> None:
         """`url` holds nothing we know of (it left, restarted, or sent a snapshot)."""
         self._cursor.pop(url, None)
+        self._block_size.pop(url, None)
         for digest in [d for d, urls in self._where.items() if url in urls]:
             self._discard(digest, url)
 
@@ -117,16 +115,22 @@ class KVIndex:
                 del self._where[digest]
 
 
-def _parse(answer: Any) -> tuple[str, int, list[tuple[str, list[str]]] | None]:
-    """(epoch, seq, reports), reports None for a snapshot; ValueError on anything else."""
+_Reports = list[tuple[str, list[str]]]
+
+
+def _parse(answer: Any) -> tuple[str, int, int | None, _Reports | None]:
+    """(epoch, seq, block size if sent, reports), reports None for a snapshot; ValueError on
+    anything else."""
     if not isinstance(answer, dict):
         raise ValueError("kv events: not an object")
-    epoch, seq = answer.get("epoch"), answer.get("seq")
+    epoch, seq, block_size = answer.get("epoch"), answer.get("seq"), answer.get("block_size")
     if not isinstance(epoch, str) or type(seq) is not int or seq < 0:
         raise ValueError("kv events: epoch must be a string and seq an integer >= 0")
+    if block_size is not None and (type(block_size) is not int or block_size <= 0):
+        raise ValueError("kv events: block_size must be an integer > 0")
     if "snapshot" in answer:
         _check_digests(answer["snapshot"])
-        return epoch, seq, None
+        return epoch, seq, block_size, None
     events = answer.get("events")
     if not isinstance(events, list):
         raise ValueError("kv events: neither events nor a snapshot")
@@ -135,7 +139,7 @@ def _parse(answer: Any) -> tuple[str, int, list[tuple[str, list[str]]] | None]:
         if not isinstance(event, dict) or event.get("kind") not in _KINDS:
             raise ValueError("kv events: an event must be stored or removed")
         reports.append((event["kind"], _check_digests(event.get("digests"))))
-    return epoch, seq, reports
+    return epoch, seq, block_size, reports
 
 
 def _check_digests(digests: Any) -> list[str]:

@@ -54,6 +54,7 @@ def test_memory_stays_bounded_with_more_blocks_than_the_bound() -> None:
         {"epoch": "e", "seq": -1, "snapshot": []},
         {"epoch": "e", "seq": 1},
         {"epoch": "e", "seq": 1, "snapshot": ["XYZ"]},
+        {"epoch": "e", "seq": 1, "block_size": 0, "snapshot": []},
         {"epoch": "e", "seq": 1, "events": [{"kind": "stored", "digests": [_d(1)]}, {"kind": "x"}]},
     ],
 )
