@@ -108,15 +108,20 @@ class RoundRobinPolicy(Policy):
         return index
 
 
-class LeastLoadedPolicy(Policy):
-    """Lowest load key wins (see `load_key`); ties rotate so equal instances share the work."""
+class _LowestKeyPolicy(Policy):
+    """The healthy candidate with the lowest `key` wins; ties rotate so equal instances share
+    the work."""
 
     def __init__(self) -> None:
         self._num_ties = 0
 
+    @abc.abstractmethod
+    def key(self, view: InstanceView) -> Any:
+        """Smaller is better."""
+
     def choose(self, candidates: Sequence[InstanceView]) -> int:
         healthy = _healthy_indices(candidates)
-        keys = {i: load_key(candidates[i]) for i in healthy}
+        keys = {i: self.key(candidates[i]) for i in healthy}
         best = min(keys.values())
         tied = [i for i in healthy if keys[i] == best]
         index = tied[self._num_ties % len(tied)]
@@ -124,7 +129,14 @@ class LeastLoadedPolicy(Policy):
         return index
 
 
-class KVAwarePolicy(Policy):
+class LeastLoadedPolicy(_LowestKeyPolicy):
+    """Lowest load key wins (see `load_key`)."""
+
+    def key(self, view: InstanceView) -> tuple[int, ...]:
+        return load_key(view)
+
+
+class KVAwarePolicy(_LowestKeyPolicy):
     """Lowest cost wins, in prompt tokens: what the instance must still compute for this
     request (its prompt less the prefix the instance holds) plus what it has queued (prompt
     tokens not yet prefilled, less what its own cache is expected to cover: a queued turn's
@@ -134,17 +146,11 @@ class KVAwarePolicy(Policy):
     rotate."""
 
     def __init__(self, request_tokens: int) -> None:
+        super().__init__()
         self.request_tokens = request_tokens
-        self._num_ties = 0
 
-    def choose(self, candidates: Sequence[InstanceView]) -> int:
-        healthy = _healthy_indices(candidates)
-        costs = {i: self.cost(candidates[i]) for i in healthy}
-        best = min(costs.values())
-        tied = [i for i in healthy if costs[i] == best]
-        index = tied[self._num_ties % len(tied)]
-        self._num_ties += 1
-        return index
+    def key(self, view: InstanceView) -> float:
+        return self.cost(view)
 
     def cost(self, view: InstanceView) -> float:
         load = view.load
