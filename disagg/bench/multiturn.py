@@ -70,16 +70,6 @@ def conversation_prompt(
     return "\n".join(m["content"] for m in messages)
 
 
-def _body(
-    prompt: str | list[dict[str, str]], conv: Conversation, endpoint: str, **payload: Any
-) -> dict[str, Any]:
-    text = prompt if isinstance(prompt, str) else ""
-    body = build_payload(BenchPrompt(text, 0, conv.output_len, False), endpoint=endpoint, **payload)
-    if not isinstance(prompt, str):
-        body["messages"] = prompt
-    return body
-
-
 async def _play(
     session: aiohttp.ClientSession,
     url: str,
@@ -95,8 +85,12 @@ async def _play(
         prompt = conversation_prompt(conv, answers, turn, is_chat=is_chat)
         estimate = conv.approx_system_tokens + (turn + 1) * conv.approx_turn_tokens
         estimate += turn * conv.output_len
-        bench_prompt = BenchPrompt("", estimate, conv.output_len, is_exact_len=False)
-        result = await send_request(session, url, bench_prompt, _body(prompt, conv, url, **payload))
+        text = prompt if isinstance(prompt, str) else ""
+        bench_prompt = BenchPrompt(text, estimate, conv.output_len, is_exact_len=False)
+        body = build_payload(bench_prompt, endpoint=url, **payload)
+        if not isinstance(prompt, str):
+            body["messages"] = prompt  # the whole conversation, not one user message
+        result = await send_request(session, url, bench_prompt, body)
         result.turn = turn + 1
         results.append(result)
         progress.update()
