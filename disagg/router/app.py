@@ -92,7 +92,7 @@ class Router:
         try:
             max_prompt_chars = self.cfg.max_prompt_chars or None
             call = await parse_call(request, request_id, max_prompt_chars, self.body_parser)
-            if self.pool.kv_index is not None:  # the policy weighs cached prefixes
+            if self.cfg.policy == "kv_aware":  # it weighs the prefix each instance holds
                 call.prompt_ids = await prompt_token_ids(call.body, call.path, self.tokenizer)
             async with self.admission.slot():  # held until relayed
                 relayed = await self.flows.dispatch(call)
