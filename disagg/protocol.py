@@ -236,7 +236,9 @@ class TTFTBreakdown:
     # running decode on the instance waited that long too.
     loop_blocked_s: float | None = None
     num_descriptors: int | None = None
-    num_bytes: int | None = None
+    num_bytes: int | None = None  # KV bytes moved between instances for the request
+    num_prefilled_tokens: int | None = None  # prompt tokens computed (where prefill ran)
+    num_reused_tokens: int | None = None  # decode side: prompt tokens from its own cache
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -35,7 +35,8 @@ LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 # Lists with one entry per request (failed ones included); large, so kept out of summaries.
 PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "e2els", "errors", "breakdowns")
-_COUNT_KEYS = ("num_descriptors", "num_bytes")  # breakdown entries that are counts, not seconds
+# breakdown entries that are counts, not seconds
+_COUNT_KEYS = ("num_descriptors", "num_bytes", "num_prefilled_tokens", "num_reused_tokens")
 
 
 @dataclass(slots=True)

@@ -31,22 +31,34 @@ class KVCacheManager:
 
     def allocate_for_prompt(self, request: Request) -> bool:
         """Decode side of a disaggregated request: blocks for the whole prompt plus the first
-        token, all at once (the KV arrives from elsewhere). False when the pool is short."""
-        num_blocks = cdiv(request.num_prompt_tokens + 1, self.block_size)
-        if not self.block_pool.can_allocate(num_blocks):
+        token, all at once. The leading full blocks this pool already caches are reused
+        (`request.num_reused_blocks`); the KV of the rest arrives from elsewhere into fresh
+        blocks. At least the prompt's last block is always fresh, so every handoff moves some
+        KV and ends the way it always does. False (nothing held) when the pool is short."""
+        bs = self.block_size
+        hits = self._lookup(request, (request.num_prompt_tokens - 1) // bs)
+        num_fresh = cdiv(request.num_prompt_tokens + 1, bs) - len(hits)
+        # Hits with no reference sit in the free queue: touching them takes them out of it.
+        num_idle_hits = sum(1 for b in hits if self.block_pool.ref_count(b) == 0)
+        if num_fresh > self.block_pool.num_free_blocks - num_idle_hits:
             return False
-        request.block_ids = self.block_pool.allocate(num_blocks)
+        # Touch before allocate: an unreferenced hit is free, and allocate would hand it out
+        # (evicted) as a fresh block, the same block then read as cached and written by the
+        # transfer.
+        self.block_pool.touch(hits)
+        request.block_ids = [*hits, *self.block_pool.allocate(num_fresh)]
+        request.block_hashes = request.chain_hashes[: len(hits)]
+        request.num_reused_blocks = len(hits)
         return True
 
     def match_prefix(self, request: Request) -> None:
         """Reuse cached blocks of the prompt's prefix; at least one token is left to compute
         so the step that reaches the end can sample."""
         bs = self.block_size
-        hashes = self._chain_hashes(request, (request.num_tokens - 1) // bs)
-        hits = self.block_pool.lookup(hashes)
+        hits = self._lookup(request, (request.num_tokens - 1) // bs)
         self.block_pool.touch(hits)
         request.block_ids = list(hits)
-        request.block_hashes = hashes[: len(hits)]
+        request.block_hashes = request.chain_hashes[: len(hits)]
         request.num_computed_tokens = len(hits) * bs
         request.num_cached_tokens = max(request.num_cached_tokens, len(hits) * bs)
 
@@ -57,8 +69,9 @@ class KVCacheManager:
         whose KV comes from a prefill instance (never matched here)."""
         if request.needs_remote_kv or not self.block_pool.enable_caching:
             return 0
-        hashes = self._chain_hashes(request, (request.num_tokens - 1) // self.block_size)
-        return len(self.block_pool.lookup(hashes)) * self.block_size
+        return len(self._lookup(request, (request.num_tokens - 1) // self.block_size)) * (
+            self.block_size
+        )
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish every newly completed block under its hash, for later prefix matches."""
@@ -84,6 +97,13 @@ class KVCacheManager:
     def _blocks_to_grow(self, request: Request, num_new: int) -> int:
         needed = cdiv(request.num_computed_tokens + num_new, self.block_size)
         return max(0, needed - len(request.block_ids))
+
+    def _lookup(self, request: Request, max_blocks: int) -> list[int]:
+        """Cached blocks of the longest prefix of the request's first `max_blocks` full
+        blocks (not referenced yet); no hashing when caching is off."""
+        if not self.block_pool.enable_caching:
+            return []
+        return self.block_pool.lookup(self._chain_hashes(request, max_blocks))
 
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The first `num_blocks` chain digests of the request's tokens, extending its memo."""

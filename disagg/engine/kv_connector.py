@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "KVConnectorWorker",
     "KVReceive",
     "KVSend",
+    "source_blocks",
 ]
 
 
@@ -40,9 +42,19 @@ class KVReceive:
     """Decode side: blocks reserved for a prompt whose KV comes from a prefill instance."""
 
     request_id: str
-    block_ids: tuple[int, ...]  # ours, the prompt's blocks in order (first ones of the request)
+    # Ours, in order: the prompt's blocks from `first_block` on. The ones before it were
+    # reused from our own prefix cache; the transfer must neither fill nor touch them.
+    block_ids: tuple[int, ...]
     params: KVTransferParams  # the router's: which prefill instance, its blocks or transfer id
     arrival_s: float  # engine clock at arrival (a pull lease counts from P's answer)
+    first_block: int = 0  # the prompt block index block_ids[0] stands for (P's blocks alike)
+
+
+def source_blocks(prompt_blocks: Sequence[int], first_block: int, count: int) -> list[int]:
+    """The prefill side's blocks that fill a receive: its prompt blocks from `first_block`
+    on, `count` of them. Pull (what D reads), push (what P writes) and the simulator pair
+    blocks only through this: an offset wrong here puts one block's KV in another's place."""
+    return list(prompt_blocks[first_block : first_block + count])
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +103,11 @@ class KVConnectorScheduler(abc.ABC):
     ) -> None:
         """The request is WAITING_FOR_REMOTE_KV with `block_ids` reserved: queue the receive."""
         assert request.kv_transfer_params is not None
-        blocks = tuple(block_ids[: self.num_prompt_blocks(request)])
-        self._active[request.request_id] = blocks
+        first = request.num_reused_blocks
+        blocks = tuple(block_ids[first : self.num_prompt_blocks(request)])
+        self._active[request.request_id] = blocks  # the reused ones are never written
         receive = KVReceive(
-            request.request_id, blocks, request.kv_transfer_params, request.arrival_s
+            request.request_id, blocks, request.kv_transfer_params, request.arrival_s, first
         )
         self._meta.receives.append(receive)
 

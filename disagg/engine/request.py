@@ -73,6 +73,9 @@ class Request:
     finish_status: RequestStatus | None = None  # how it finished (status may then be KV_SEND)
     kv_result: KVTransferParams | None = None  # kv_transfer_params returned to the caller
     needs_remote_kv: bool = False  # decode side: prompt KV still to come from a prefill instance
+    # Decode side: leading prompt blocks taken from this pool's own prefix cache; the remote
+    # KV fills only the blocks after them.
+    num_reused_blocks: int = 0
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
     queued_uncached_tokens: int = 0  # while waiting: tokens the cache was not expected to cover
     first_scheduled_s: float | None = None

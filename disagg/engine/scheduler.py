@@ -200,6 +200,8 @@ class Scheduler:
         params = request.kv_transfer_params
         if request.num_output_tokens == 0 and not (params and params.do_remote_prefill):
             request.breakdown.prefill_s = now - (request.first_scheduled_s or now)
+            computed = request.num_prompt_tokens - request.num_cached_tokens
+            request.breakdown.num_prefilled_tokens = computed
         request.output_token_ids.append(token)
         if request.sampling.logprobs is not None:
             request.output_logprobs.append(logprobs)
@@ -233,7 +235,8 @@ class Scheduler:
         request.needs_remote_kv = False
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = request.num_prompt_tokens
-        self.kv.cache_full_blocks(request)
+        request.breakdown.num_reused_tokens = request.num_reused_blocks * self.block_size
+        self.kv.cache_full_blocks(request)  # from the first block that was not reused
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if first_token is None and params is not None:
@@ -264,6 +267,7 @@ class Scheduler:
             # Policy `recompute`: prefill locally from the prompt, as if never disaggregated.
             del self.waiting_for_kv[request_id]
             self._drop_kv_blocks(request)
+            request.block_hashes, request.num_reused_blocks = [], 0  # matched afresh
             request.needs_remote_kv = False
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)

@@ -23,7 +23,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.engine.kv_connector import KVConnectorMeta, KVConnectorScheduler, KVReceive, KVSend
+from disagg.engine.kv_connector import (
+    KVConnectorMeta,
+    KVConnectorScheduler,
+    KVReceive,
+    KVSend,
+    source_blocks,
+)
 from disagg.engine.outputs import KVConnectorOutput
 from disagg.engine.request import Request
 from disagg.kv.common import (
@@ -130,8 +136,11 @@ class PullWorker(ConnectorBase):
 
     def _load_for(self, receive: KVReceive) -> Load:
         params = receive.params
-        remote_ids = params.remote_block_ids or []
-        problem = _check_params(params, len(remote_ids), len(receive.block_ids))
+        # P's blocks line up with the whole prompt; ours start at `first_block` (the ones
+        # before it we reused from our own cache, and read nothing into).
+        num_local = len(receive.block_ids)
+        remote_ids = source_blocks(params.remote_block_ids or [], receive.first_block, num_local)
+        problem = _check_params(params, len(remote_ids), num_local)
         peer: Future[str] = Future()
         if problem is None:
             assert params.remote_engine_id and params.remote_host and params.remote_port
@@ -143,7 +152,7 @@ class PullWorker(ConnectorBase):
         return Load(
             request_id=receive.request_id,
             local_ids=list(receive.block_ids),
-            remote_ids=remote_ids[: len(receive.block_ids)],
+            remote_ids=remote_ids,
             remote_request_id=params.remote_request_id or receive.request_id,
             prefill_url=prefill_url,
             peer=peer,

@@ -107,11 +107,14 @@ class PushWorker(ConnectorBase):
             tid, peer = str(body["transfer_id"]), str(body["engine_id"])
             block_ids = [int(b) for b in body["block_ids"]]
             ttl_s = float(body.get("ttl_s", self.kv_config.lease_s))
+            first_block = int(body.get("first_block", 0))
         except (ValueError, KeyError, TypeError) as exc:
             raise SideChannelError(400, f"bad registration: {exc}") from exc
         if not 0 < ttl_s <= _MAX_REGISTRATION_TTL_S:  # NaN fails too
             raise SideChannelError(400, f"ttl_s must be in (0, {_MAX_REGISTRATION_TTL_S}]")
-        self.writer.register(tid, peer, block_ids, ttl_s)
+        if first_block < 0:
+            raise SideChannelError(400, "first_block must be >= 0")
+        self.writer.register(tid, peer, block_ids, ttl_s, first_block)
         return {"status": "registered"}
 
     async def _handle_cancel(self, body: dict[str, Any]) -> dict[str, Any]:

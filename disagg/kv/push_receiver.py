@@ -37,6 +37,7 @@ class _Reservation:
     request_id: str
     transfer_id: str
     local_ids: list[int]
+    first_block: int  # prompt block local_ids[0] stands for: we reused the ones before it
     prefill_url: str
     deadline: float
     state: ReservationState = ReservationState.ACTIVE
@@ -67,6 +68,7 @@ class PushReceiver:
             request_id=receive.request_id,
             transfer_id=tid,
             local_ids=list(receive.block_ids),
+            first_block=receive.first_block,
             prefill_url=base.side_url(host, port),
             deadline=time.monotonic() + base.kv_config.reservation_timeout_s,
         )
@@ -140,6 +142,7 @@ class PushReceiver:
             "engine_id": base.engine_id,
             "request_id": reservation.request_id,
             "block_ids": reservation.local_ids,
+            "first_block": reservation.first_block,  # P writes its blocks from this one on
             # P keeps the registration as long as we keep the reservation, however long its
             # own queue and prefill take.
             "ttl_s": base.kv_config.reservation_timeout_s,

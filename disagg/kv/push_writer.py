@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from disagg.engine.kv_connector import KVSend
+from disagg.engine.kv_connector import KVSend, source_blocks
 from disagg.kv.common import ConnectorBase
 from disagg.kv.handshake import encode_message
 from disagg.kv.transport import Op, TransferState, TransportError
@@ -49,6 +49,7 @@ class _Registration:  # where the decode instance wants the KV
     block_ids: list[int]
     received_s: float
     expires_s: float  # D gives up its reservation by then
+    first_block: int = 0  # our prompt block block_ids[0] takes: D reused the ones before
 
 
 @dataclass(slots=True, eq=False)
@@ -57,8 +58,9 @@ class _Write:  # a posted WRITE
     transfer_id: str
     peer: str
     handle: int | None  # None while the writer is posting it
-    block_ids: list[int]  # ours, read by the WRITE
+    block_ids: list[int]  # ours, held until the WRITE settles
     posted_s: float
+    num_moved: int = 0  # blocks the WRITE moves (D reused the leading ones it skips)
     is_aborted: bool = False  # the request is gone: its blocks are `settled`, not `sent`
     waiters: list[Callable[[], None]] = field(default_factory=list)  # cancels awaiting settle
 
@@ -97,11 +99,14 @@ class PushWriter:
             self._base.stats[key] += 1
             self._lock.notify()
 
-    def register(self, tid: str, peer: str, block_ids: list[int], ttl_s: float) -> None:
-        """HTTP handler: D reserved `block_ids` and keeps them for `ttl_s`."""
+    def register(
+        self, tid: str, peer: str, block_ids: list[int], ttl_s: float, first_block: int = 0
+    ) -> None:
+        """HTTP handler: D reserved `block_ids` for our prompt blocks from `first_block` on
+        and keeps them for `ttl_s`."""
         with self._lock:
             now = time.monotonic()
-            self._regs[tid] = _Registration(peer, block_ids, now, now + ttl_s)
+            self._regs[tid] = _Registration(peer, block_ids, now, now + ttl_s, first_block)
             self._lock.notify()
 
     async def cancel(self, tid: str, timeout_s: float) -> CancelOutcome:
@@ -187,30 +192,31 @@ class PushWriter:
 
     def _post(self, write: _Write, ready: _Ready, reg: _Registration) -> None:
         started = time.monotonic()
+        # D holds the blocks before first_block in its own cache.
+        source = source_blocks(ready.block_ids, reg.first_block, len(reg.block_ids))
         message = encode_message(
             "write_done",
             transfer_id=write.transfer_id,
             first_token_id=ready.first_token_id,
             setup_s=started - max(ready.ready_s, reg.received_s),
             posted_wall=time.time(),
-            num_descriptors=len(ready.block_ids),
+            num_descriptors=len(source),
         )
         base = self._base
         try:
-            if len(reg.block_ids) != len(ready.block_ids):
+            if not source or len(ready.block_ids) != reg.first_block + len(reg.block_ids):
                 raise TransportError(
-                    f"decode registered {len(reg.block_ids)} blocks, "
-                    f"prefill has {len(ready.block_ids)}"
+                    f"decode registered {len(reg.block_ids)} blocks from block "
+                    f"{reg.first_block}, prefill has {len(ready.block_ids)}"
                 )
             base.faults.check_transfer()
-            handle = base.transport.post(
-                Op.WRITE, reg.peer, ready.block_ids, reg.block_ids, message
-            )
+            handle = base.transport.post(Op.WRITE, reg.peer, source, reg.block_ids, message)
         except TransportError as exc:
             self._settle(write, ok=False, reason=str(exc))
             return
         base.stats["post_s_total"] += time.monotonic() - started
         write.posted_s = started
+        write.num_moved = len(source)
         write.handle = handle
 
     def _poll(self) -> None:
@@ -225,8 +231,7 @@ class PushWriter:
             transport.release(write.handle)
             if state is TransferState.DONE:
                 seconds = time.monotonic() - write.posted_s
-                num_blocks = len(write.block_ids)
-                self._base.count_transfer(num_blocks, num_blocks, seconds)
+                self._base.count_transfer(write.num_moved, write.num_moved, seconds)
             self._settle(write, ok=state is TransferState.DONE, reason="transfer error")
 
     def _settle(self, write: _Write, *, ok: bool, reason: str) -> None:

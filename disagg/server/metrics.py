@@ -80,6 +80,14 @@ class ServerMetrics:
         self._bytes = Histogram(
             "disagg_kv_transfer_bytes", "Bytes per KV handoff", buckets=_BYTE_BUCKETS, registry=r
         )
+        self._prefilled = Counter(
+            "disagg_prefilled_tokens", "Prompt tokens computed here (not cached)", registry=r
+        )
+        self._reused = Counter(
+            "disagg_kv_reused_tokens",
+            "Decode side: prompt tokens taken from this instance's own cache, not moved",
+            registry=r,
+        )
         r.register(_LoadCollector(engine))
         r.register(_ConnectorCollector(engine))
 
@@ -116,6 +124,10 @@ class ServerMetrics:
             self._descriptors.observe(breakdown.num_descriptors)
         if breakdown.num_bytes is not None:
             self._bytes.observe(breakdown.num_bytes)
+        if breakdown.num_prefilled_tokens is not None:
+            self._prefilled.inc(breakdown.num_prefilled_tokens)
+        if breakdown.num_reused_tokens is not None:
+            self._reused.inc(breakdown.num_reused_tokens)
 
     def render(self) -> bytes:
         """Prometheus text exposition (reads engine.load() once)."""

@@ -11,7 +11,7 @@ load finished at its next step boundary. Where the transport copies inside post 
 
 from __future__ import annotations
 
-from disagg.engine.kv_connector import KVConnectorMeta, KVReceive
+from disagg.engine.kv_connector import KVConnectorMeta, KVReceive, source_blocks
 from disagg.sim.fabric import Fabric
 from disagg.sim.kv_worker import SimKVWorker
 
@@ -37,7 +37,8 @@ class SimPullWorker(SimKVWorker):
         """Descriptors, then the post (on the loop when inline); the READ runs on the fabric."""
         params = receive.params
         local = list(receive.block_ids)
-        remote = (params.remote_block_ids or [])[: len(local)]
+        # The blocks before first_block were reused from D's cache.
+        remote = source_blocks(params.remote_block_ids or [], receive.first_block, len(local))
         assert params.remote_engine_id is not None and len(remote) == len(local)
         cost = self.fabric.cost
         num_descriptors = cost.num_descriptors(local, remote)

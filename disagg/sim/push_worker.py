@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.engine.kv_connector import KVConnectorMeta, KVReceive, KVSend
+from disagg.engine.kv_connector import KVConnectorMeta, KVReceive, KVSend, source_blocks
 from disagg.sim.fabric import Fabric
 from disagg.sim.kv_worker import SimKVWorker
 
@@ -24,6 +24,7 @@ class _Registration:  # prefill side: where D wants the KV
     request_id: str  # D's request id
     block_ids: list[int]
     prepared_s: float  # descriptors ready (the writer starts preparing on arrival)
+    first_block: int = 0  # the prompt block block_ids[0] stands for (D reused those before)
 
 
 @dataclass(slots=True)
@@ -58,9 +59,9 @@ class SimPushWorker(SimKVWorker):
         self._reservations.add(receive.request_id)
         prefill = self.fabric.workers[params.remote_engine_id]
         assert isinstance(prefill, SimPushWorker)
-        tid, block_ids = params.transfer_id, list(receive.block_ids)
+        tid, block_ids, first = params.transfer_id, list(receive.block_ids), receive.first_block
         self.fabric.post_http(
-            lambda: prefill.on_register(tid, self.engine_id, receive.request_id, block_ids)
+            lambda: prefill.on_register(tid, self.engine_id, receive.request_id, block_ids, first)
         )
 
     def on_write_done(self, request_id: str, first_token: int, stages: dict[str, float]) -> None:
@@ -69,13 +70,17 @@ class SimPushWorker(SimKVWorker):
 
     # ------------------------------------------------------------------ prefill side
 
-    def on_register(self, tid: str, decode_id: str, request_id: str, block_ids: list[int]) -> None:
+    def on_register(
+        self, tid: str, decode_id: str, request_id: str, block_ids: list[int], first_block: int
+    ) -> None:
         """The writer prepares descriptors from now on, while the prefill runs (D's side of
         each run is known; P's is not yet, so the count is D's)."""
         cost = self.fabric.cost
         num_descriptors = cost.num_descriptors(block_ids, block_ids)
         prepared_s = self.now_s + num_descriptors * cost.hardware.setup_per_descriptor_s
-        self._registrations[tid] = _Registration(decode_id, request_id, block_ids, prepared_s)
+        self._registrations[tid] = _Registration(
+            decode_id, request_id, block_ids, prepared_s, first_block
+        )
         self._try_write(tid)
 
     def _try_write(self, tid: str) -> None:
@@ -84,8 +89,8 @@ class SimPushWorker(SimKVWorker):
             return
         registration, prefilled = self._registrations.pop(tid), self._prefilled.pop(tid)
         cost, send = self.fabric.cost, prefilled.send
-        local = list(send.block_ids)
-        remote = registration.block_ids[: len(local)]
+        remote = registration.block_ids  # D reused the blocks before first_block
+        local = source_blocks(send.block_ids, registration.first_block, len(remote))
         num_descriptors = cost.num_descriptors(local, remote)
         ready_s = max(self.now_s, registration.prepared_s)
         post_s = ready_s + cost.hardware.setup_fixed_s

@@ -167,6 +167,27 @@ def test_streaming_matches_aggregated(pair: Pair, reference: Reference):
     assert_pools_full(*pair.instances)
 
 
+def test_decode_side_reuse_moves_only_missing_blocks(pair: Pair, reference: Reference):
+    """A prompt that extends one D already served: D reuses the prompt's full blocks from its
+    own cache, the transfer fills only the blocks after them (the bytes say so), and the
+    text equals the aggregated one: an offset wrong anywhere in the real connector would put
+    KV in the wrong blocks and change it. Pools full after."""
+    bs, base = 16, prompt_ids(700, 37)  # two full blocks, and five tokens of a third
+    first = complete(pair.router.url, completion_body(base, 4))
+    assert first.status == 200 and first.text == reference(completion_body(base, 4))
+    block_bytes = first.body["disagg"]["breakdown"]["num_bytes"] // 3
+    for extra in (1, 11, 27, 28, 60):
+        body = completion_body(base + prompt_ids(710 + extra, extra), 6)
+        answer = complete(pair.router.url, body)
+        assert answer.status == 200, answer.body
+        assert answer.text == reference(body), extra
+        breakdown = answer.body["disagg"]["breakdown"]
+        assert breakdown["num_reused_tokens"] == 2 * bs, breakdown
+        num_blocks = -(-(len(base) + extra) // bs)
+        assert breakdown["num_bytes"] == (num_blocks - 2) * block_bytes, breakdown
+    assert_pools_full(*pair.instances)
+
+
 # ---- client disconnects ----------------------------------------------------------------------
 
 
