@@ -305,6 +305,10 @@ class RouterConfig:
     # kv_aware: what one request already on an instance weighs against prompt tokens to compute
     # (its cost: uncached prompt tokens + queued prefill tokens + this x requests there).
     kv_aware_request_tokens: int = 64
+    # P/D under kv_aware: a request whose prompt the best decode instance lacks at most this
+    # many tokens of is sent to that instance whole (it prefills them itself, no handoff);
+    # 0 = always disaggregate. benchmarks/multiturn_bench.py measures the choice.
+    local_prefill_tokens: int = 0
     # A tokenizer.json or model directory: lets kv_aware match text and chat prompts (token-id
     # prompts need none). It must be the instances' tokenizer, or nothing will match.
     tokenizer: str = ""
@@ -352,7 +356,7 @@ class RouterConfig:
             "heartbeat_timeout_s", "header_timeout_s", "body_timeout_s",
         )  # fmt: skip
         _check_not_negative(self, "max_prompt_chars", "kv_index_max_blocks",
-                            "kv_aware_request_tokens")  # fmt: skip
+                            "kv_aware_request_tokens", "local_prefill_tokens")  # fmt: skip
         if (self.kv_index_max_blocks or self.policy == "kv_aware") and not self.cluster_token:
             raise ValueError("kv_aware and kv_index_max_blocks need the cluster token: they "
                              "follow the instances' /kv/events, a signed route")  # fmt: skip

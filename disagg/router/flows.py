@@ -63,6 +63,7 @@ class Flows:
         self.cfg = cfg
         self.legs = legs
         self.metrics = metrics
+        self.pool = pool
         self.flow = _flow_for(cfg, legs, pool)
 
     async def dispatch(self, call: Call) -> Relayed:
@@ -71,6 +72,10 @@ class Flows:
         retries = RetryBudget.of(self.cfg)
         try:
             try:
+                if self._prefills_locally(call):
+                    return await self._on_decode(call, retries, "local_prefill")
+                if self.cfg.mode != "aggregated":
+                    self.metrics.prefill_placement.labels(where="remote_prefill").inc()
                 return await self.flow.run(call, retries)
             except RouteError as exc:
                 if not self._should_recompute(exc):
@@ -78,6 +83,16 @@ class Flows:
                 return await self._recompute_on_decode(call, exc, retries)
         except NoHealthyInstanceError as exc:
             raise RouteError.of(503, str(exc)) from exc
+
+    def _prefills_locally(self, call: Call) -> bool:
+        """Conditional disaggregation: the decode instance that caches most of the prompt
+        lacks at most --local-prefill-tokens of it, so it computes them itself rather than
+        wait for a prefill instance's queue, a handoff and a transfer."""
+        limit = self.cfg.local_prefill_tokens
+        if not (limit and call.prompt_ids and self.cfg.mode != "aggregated"):
+            return False
+        uncached = self.pool.fewest_uncached_tokens(call.prompt_ids)
+        return uncached is not None and uncached <= limit
 
     def _should_recompute(self, exc: RouteError) -> bool:
         """Policy `recompute`: a prefill instance that died or hung (5xx, nothing streamed yet)
@@ -98,7 +113,14 @@ class Flows:
         logger.warning("request %s: prefill leg failed (%s); prefilling on a decode instance",
                        call.request_id, cause)  # fmt: skip
         self.metrics.recomputed.inc()
-        local = call.retry(f"{call.request_id}-local")
+        return await self._on_decode(call.retry(f"{call.request_id}-local"), retries)
+
+    async def _on_decode(
+        self, local: Call, retries: RetryBudget, placement: str | None = None
+    ) -> Relayed:
+        """`local`, the whole request, to the decode instance the policy picks."""
+        if placement is not None:
+            self.metrics.prefill_placement.labels(where=placement).inc()
         started_s = time.monotonic()
         _, resp = await self.legs.retrying(
             local, "decode", retries, lambda inst: self.legs.send(inst, local, local.body, "decode")

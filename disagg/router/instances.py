@@ -249,17 +249,22 @@ class InstancePool:
         candidates = self.prefill if pool == "prefill" else self.decode
         now_s = time.monotonic()
         views = [inst.view(now_s) for inst in candidates]
-        if prompt_ids and self.kv_index is not None and self._prefills(pool):
+        if prompt_ids and self.kv_index is not None:  # D's cache counts too: it reuses it
             views = self._with_cache(views, prompt_ids)
         chosen = candidates[self._policies[pool].choose(views)]
         chosen.num_pending += 1
         chosen.breaker.on_picked(now_s)
         return chosen
 
-    def _prefills(self, pool: PoolName) -> bool:
-        """Whether the pool's instances compute prompts (a decode instance of a P/D cluster
-        receives them whole: its cache does not shorten a prefill yet)."""
-        return pool == "prefill" or self.cfg.mode == "aggregated"
+    def fewest_uncached_tokens(self, prompt_ids: list[int]) -> int | None:
+        """Of the decode instances the policy may pick now, the fewest prompt tokens one's
+        cache lacks (by the index); None when none is pickable or no index is kept."""
+        now_s = time.monotonic()
+        views = [inst.view(now_s) for inst in self.decode if inst.is_pickable(now_s)]
+        if not views or self.kv_index is None:
+            return None
+        views = self._with_cache(views, prompt_ids)
+        return min(v.num_prompt_tokens - v.num_cached_tokens for v in views)
 
     def _with_cache(self, views: list[InstanceView], prompt_ids: list[int]) -> list[InstanceView]:
         assert self.kv_index is not None

@@ -110,6 +110,10 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("kv_aware_request_tokens", "--kv-aware-request-tokens", "kv_aware's cost of an instance "
      "is the prompt tokens it must still compute + its queued prefill tokens + this many per "
      "request already there (default: %(default)s)"),
+    ("local_prefill_tokens", "--local-prefill-tokens", "P/D under kv_aware: send a request "
+     "whole to the decode instance that caches most of its prompt when it lacks at most this "
+     "many tokens of it (conditional disaggregation); 0 = always use a prefill instance "
+     "(default: %(default)s)"),
     ("tokenizer", "--tokenizer", "the instances' model directory: lets kv_aware match text and "
      "chat prompts against their caches (token-id prompts need none)"),
 )  # fmt: skip

@@ -28,6 +28,10 @@ _METRICS: dict[str, tuple[type[Counter | Gauge | Histogram], str, tuple[str, ...
     "admission_refused": (Counter, "disagg_router_admission_refused", ("reason",),
                           "Client requests refused by admission: queue_full (429) or "
                           "queue_timeout (503)."),
+    "prefill_placement": (Counter, "disagg_router_prefill_placement", ("where",),
+                          "P/D requests by where their prompt was computed: remote_prefill (a "
+                          "prefill instance) or local_prefill (the decode instance that caches "
+                          "most of it; --local-prefill-tokens)."),
     "in_flight": (Gauge, "disagg_router_requests_in_flight", (),
                   "Client requests holding an admission slot."),
     "queued": (Gauge, "disagg_router_requests_queued", (),
@@ -44,6 +48,7 @@ class RouterMetrics:
     retries: Counter
     breaker_opened: Counter
     admission_refused: Counter
+    prefill_placement: Counter
     in_flight: Gauge
     queued: Gauge
 

@@ -24,6 +24,7 @@ from tests.e2e.client import (
     OpenStream,
     complete,
     completion_body,
+    http_request,
     open_stream,
     prompt_ids,
     read_chunks,
@@ -61,6 +62,10 @@ class Pair:
     @property
     def instances(self) -> tuple[Proc, Proc]:
         return self.prefill, self.decode
+
+    @property
+    def connector(self) -> str:
+        return self.mode.removesuffix("-inline")
 
 
 def _pair_id(pair: tuple[str, str]) -> str:
@@ -269,6 +274,46 @@ def test_push_registration_after_prefill_ends(pair: Pair, cluster: Cluster, refe
         assert_pools_full(pair.prefill, late)
     finally:
         cluster.stop(router)
+
+
+@pytest.mark.parametrize("pair", [PULL_NIXL, PUSH_NIXL], indirect=True, ids=_pair_id)
+def test_local_prefill_when_decode_lacks_little(pair: Pair, cluster: Cluster, reference: Reference):
+    """kv_aware with --local-prefill-tokens 40: a turn whose prompt D's cache lacks at most 40
+    tokens of goes to D whole (D prefills them itself: no bytes move, its breakdown counts the
+    tokens it computed), longer ones go through P; all right, the router counts each."""
+    router = cluster.route("router-local-prefill", [pair.prefill], [pair.decode],
+                           mode=pair.connector, policy="kv_aware",
+                           args=["--local-prefill-tokens", "40"])  # fmt: skip
+    try:
+        base = prompt_ids(800, 70)  # more than 40 uncached: P; D will cache 4 full blocks
+        body = completion_body(base, 4)
+        first = complete(router.url, body)
+        assert first.text == reference(body) and first.body["disagg"]["breakdown"]["num_bytes"] > 0
+        short = completion_body(base + prompt_ids(801, 20), 6)  # D lacks 90 - 64 = 26 tokens
+
+        def goes_local() -> bool:  # once the router's index has followed D's cache
+            answer = complete(router.url, short)
+            assert answer.status == 200 and answer.text == reference(short), answer.body
+            breakdown = answer.body["disagg"]["breakdown"]
+            return "num_bytes" not in breakdown and breakdown["num_prefilled_tokens"] == 26
+
+        wait_until(goes_local, "a short uncached part prefilled on D", timeout_s=10.0)
+        long = completion_body(base + prompt_ids(802, 200), 6)
+        answer = complete(router.url, long)
+        assert answer.text == reference(long) and answer.body["disagg"]["breakdown"]["num_bytes"]
+        assert _router_count(router, "local_prefill") >= 1
+        assert _router_count(router, "remote_prefill") >= 2
+        assert_pools_full(*pair.instances)
+    finally:
+        cluster.stop(router)
+
+
+def _router_count(router: Proc, where: str) -> float:
+    status, raw = http_request(router.url, "GET", "/metrics", None, timeout_s=5.0)
+    assert status == 200
+    line = f'disagg_router_prefill_placement_total{{where="{where}"}} '
+    found = [row for row in raw.decode().splitlines() if row.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
 
 
 # ---- late binding: least_loaded ---------------------------------------------------------------

@@ -77,3 +77,19 @@ def test_prompt_ids_from_token_ids_text_and_chat(tmp_path: Path) -> None:
     rendered = tokenizer.apply_chat_template(messages, True)
     assert chat == tokenizer.encode(rendered, add_special_tokens=False)
     assert asyncio.run(ids({"messages": "nope"}, "/v1/chat/completions", tokenizer)) is None
+
+
+def test_pd_decode_pool_weighs_its_cache_and_reports_the_fewest_uncached() -> None:
+    """P/D: a decode instance reuses its own cache, so the decode pick goes where the history
+    is; fewest_uncached_tokens (conditional disaggregation's input) is the best one's gap."""
+    cfg = RouterConfig(mode="pull", prefill_urls=("http://127.0.0.1:9000",), decode_urls=(A, B),
+                       cluster_token=TOKEN, policy="kv_aware")  # fmt: skip
+    pool = InstancePool(cfg)
+    for inst in pool.instances:
+        inst.is_healthy, inst.load = True, IDLE
+    history = list(range(3000, 3320))  # 20 blocks of 16
+    _holds(pool, B, history)
+    turn = history + list(range(8000, 8030))
+    assert pool.fewest_uncached_tokens(turn) == 30
+    assert pool.pick("decode", turn).url == B
+    assert pool.fewest_uncached_tokens(list(range(9000, 9100))) == 100  # nothing cached
