@@ -39,7 +39,7 @@ Backend = Literal["local", "ray"]
 
 # Flags the launcher sets on every instance; a pass-through copy would break the cluster's wiring.
 _OWNED_SERVE_FLAGS = ("--model", "--host", "--port", "--role", "--kv-connector", "--kv-transport")
-_ARGS_FIELDS = ("serve_args", "prefill_args", "decode_args")
+_ARGS_FIELDS = ("serve_args", "prefill_args", "decode_args", "router_args")
 _INT_FIELDS = ("num_prefill", "num_decode", "port", "threads_per_instance")
 
 
@@ -61,6 +61,7 @@ class ClusterConfig:
     serve_args: tuple[str, ...] = ()  # extra `disagg serve` flags for every instance
     prefill_args: tuple[str, ...] = ()  # ... for prefill instances only (after serve_args)
     decode_args: tuple[str, ...] = ()  # ... for decode (or aggregated) instances only
+    router_args: tuple[str, ...] = ()  # extra `disagg route` flags
     log_dir: Path | None = None  # one log file per process; None = a fresh temp dir
     # The clients' API key, for the router and every instance; None = $DISAGG_API_KEY, else
     # open. Children get it in their environment, never on their command line.
@@ -154,7 +155,8 @@ class ClusterConfig:
         # sends a request whose prefill instance died to a decode instance whole.
         policy = _flag_value([*self.serve_args, *self.decode_args], "--failure-policy")
         cmd += ["--failure-policy", policy] if policy else []
-        return cmd + ["--decode", *urls.get("decode", []), *urls.get("both", [])]
+        cmd += ["--decode", *urls.get("decode", []), *urls.get("both", [])]
+        return cmd + list(self.router_args)
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
