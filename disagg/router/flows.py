@@ -91,7 +91,7 @@ class Flows:
         limit = self.cfg.local_prefill_tokens
         if not (limit and call.prompt_ids and self.cfg.mode != "aggregated"):
             return False
-        uncached = self.pool.fewest_uncached_tokens(call.prompt_ids)
+        uncached = self.pool.uncached_at_next_decode_pick(call.prompt_ids)
         return uncached is not None and uncached <= limit
 
     def _should_recompute(self, exc: RouteError) -> bool:

@@ -256,15 +256,14 @@ class InstancePool:
         chosen.breaker.on_picked(now_s)
         return chosen
 
-    def fewest_uncached_tokens(self, prompt_ids: list[int]) -> int | None:
-        """Of the decode instances the policy may pick now, the fewest prompt tokens one's
-        cache lacks (by the index); None when none is pickable or no index is kept."""
-        now_s = time.monotonic()
-        views = [inst.view(now_s) for inst in self.decode if inst.is_pickable(now_s)]
-        if not views or self.kv_index is None:
+    def uncached_at_next_decode_pick(self, prompt_ids: list[int]) -> int | None:
+        """Prompt tokens the cache of the decode instance kv_aware would pick now lacks (by
+        the index): decode-first, the pick is made and then asked. None without an index."""
+        if self.kv_index is None or self.cfg.policy != "kv_aware":
             return None
-        views = self._with_cache(views, prompt_ids)
-        return min(v.num_prompt_tokens - v.num_cached_tokens for v in views)
+        views = self._with_cache([inst.view(time.monotonic()) for inst in self.decode], prompt_ids)
+        view = views[self._policies["decode"].choose(views, peek=True)]  # raises if none
+        return view.num_prompt_tokens - view.num_cached_tokens
 
     def _with_cache(self, views: list[InstanceView], prompt_ids: list[int]) -> list[InstanceView]:
         assert self.kv_index is not None

@@ -92,19 +92,20 @@ class Policy(abc.ABC):
     (a rotation counter) but never does I/O."""
 
     @abc.abstractmethod
-    def choose(self, candidates: Sequence[InstanceView]) -> int:
+    def choose(self, candidates: Sequence[InstanceView], *, peek: bool = False) -> int:
         """Index into `candidates` of the chosen instance; unhealthy ones are never chosen.
-        Raises NoHealthyInstanceError when none is healthy."""
+        Raises NoHealthyInstanceError when none is healthy. `peek`: the choice the next call
+        would make, leaving the policy's state (whose turn it is) as it was."""
 
 
 class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._num_chosen = 0
 
-    def choose(self, candidates: Sequence[InstanceView]) -> int:
+    def choose(self, candidates: Sequence[InstanceView], *, peek: bool = False) -> int:
         healthy = _healthy_indices(candidates)
         index = healthy[self._num_chosen % len(healthy)]
-        self._num_chosen += 1
+        self._num_chosen += 0 if peek else 1
         return index
 
 
@@ -119,13 +120,13 @@ class _LowestKeyPolicy(Policy):
     def key(self, view: InstanceView) -> Any:
         """Smaller is better."""
 
-    def choose(self, candidates: Sequence[InstanceView]) -> int:
+    def choose(self, candidates: Sequence[InstanceView], *, peek: bool = False) -> int:
         healthy = _healthy_indices(candidates)
         keys = {i: self.key(candidates[i]) for i in healthy}
         best = min(keys.values())
         tied = [i for i in healthy if keys[i] == best]
         index = tied[self._num_ties % len(tied)]
-        self._num_ties += 1
+        self._num_ties += 0 if peek else 1
         return index
 
 

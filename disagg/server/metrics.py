@@ -83,6 +83,11 @@ class ServerMetrics:
         self._prefilled = Counter(
             "disagg_prefilled_tokens", "Prompt tokens computed here (not cached)", registry=r
         )
+        self._cached = Counter(
+            "disagg_prompt_cached_tokens",
+            "Prompt tokens of prefills here that this instance's prefix cache covered",
+            registry=r,
+        )
         self._reused = Counter(
             "disagg_kv_reused_tokens",
             "Decode side: prompt tokens taken from this instance's own cache, not moved",
@@ -113,6 +118,8 @@ class ServerMetrics:
                 self._tpot.observe((finish_s - first_token_s) / (num_output_tokens - 1))
         if breakdown is not None:
             self._observe_breakdown(breakdown)
+            if breakdown.num_prefilled_tokens is not None:
+                self._cached.inc(max(0, num_prompt_tokens - breakdown.num_prefilled_tokens))
 
     def _observe_breakdown(self, breakdown: TTFTBreakdown) -> None:
         for name, value in breakdown.to_dict().items():

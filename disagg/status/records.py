@@ -50,6 +50,18 @@ class InstanceStatus:
     stage_means_s: dict[str, float] = field(default_factory=dict)  # STAGES this instance runs
     loop_blocked_s: float | None = None  # engine-loop time spent on KV handoffs, since start
     loop_blocked_mean_s: float | None = None  # the same per handoff
+    num_prefilled_tokens: int | None = None  # prompt tokens computed here
+    num_cached_tokens: int | None = None  # prompt tokens of prefills here the cache covered
+    num_reused_tokens: int | None = None  # decode side: prompt KV taken from its own cache
+    num_kv_bytes: int | None = None  # KV bytes this instance's connector moved (in or out)
+
+    @property
+    def cache_hit_fraction(self) -> float | None:
+        """Of the prompt tokens of the prefills run here, the share the prefix cache covered."""
+        if self.num_cached_tokens is None or self.num_prefilled_tokens is None:
+            return None
+        total = self.num_cached_tokens + self.num_prefilled_tokens
+        return self.num_cached_tokens / total if total else None
 
     @property
     def blocks_used_fraction(self) -> float | None:

@@ -96,6 +96,9 @@ def _tables(status: ClusterStatus) -> list[Line]:
         ("", "plain"),
         ("TTFT stage means in ms since each instance started (- = not on its path)", "plain"),
         *_stage_table(status.instances),
+        ("", "plain"),
+        ("Prompt tokens and KV since each instance started", "plain"),
+        *_cache_table(status.instances),
     ]
 
 
@@ -132,6 +135,23 @@ def _stage_table(instances: Sequence[InstanceStatus]) -> list[Line]:
     return list(zip(lines, styles, strict=True))
 
 
+_CACHE_HEADER = ("INSTANCE", "PREFILLED", "CACHED", "HIT RATE", "REUSED ON DECODE", "KV MOVED")
+
+
+def _cache_table(instances: Sequence[InstanceStatus]) -> list[Line]:
+    rows = [
+        [
+            _short(inst.url), _count(inst.num_prefilled_tokens), _count(inst.num_cached_tokens),
+            _percent(inst.cache_hit_fraction), _count(inst.num_reused_tokens),
+            _bytes(inst.num_kv_bytes),
+        ]
+        for inst in instances
+    ]  # fmt: skip
+    lines = format_table(_CACHE_HEADER, rows)
+    styles: list[Style] = ["plain", *(_style(inst) for inst in instances)]
+    return list(zip(lines, styles, strict=True))
+
+
 def _footnotes(status: ClusterStatus) -> list[Line]:
     lines: list[Line] = []
     if any(inst.health == "ok" and not inst.is_routed for inst in status.instances):
@@ -161,6 +181,14 @@ def _count(value: int | None) -> str:
 
 def _ms(seconds: float | None) -> str:
     return EMPTY if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _percent(fraction: float | None) -> str:
+    return EMPTY if fraction is None else f"{fraction:.0%}"
+
+
+def _bytes(num: int | None) -> str:
+    return EMPTY if num is None else f"{num / 2**20:.1f} MiB"
 
 
 def _blocks(inst: InstanceStatus) -> str:

@@ -43,11 +43,17 @@ _REQUESTS = "disagg_requests_total"  # label finish_reason
 _TTFT = "disagg_ttft_seconds"
 _STAGE = "disagg_ttft_stage_seconds"  # label stage
 _LOOP_BLOCKED = "disagg_kv_loop_blocked_seconds"
+_PREFILLED = "disagg_prefilled_tokens_total"
+_CACHED = "disagg_prompt_cached_tokens_total"
+_REUSED = "disagg_kv_reused_tokens_total"
 _ROUTER_REQUESTS = "disagg_router_requests_total"  # labels mode, status
 _ROUTER_RECOMPUTED = "disagg_router_recomputed_total"
 METRIC_NAMES = (
     _REQUESTS,
     *(f"{h}_{suffix}" for h in (_TTFT, _STAGE, _LOOP_BLOCKED) for suffix in ("sum", "count")),
+    _PREFILLED,
+    _CACHED,
+    _REUSED,
     _ROUTER_REQUESTS,
     _ROUTER_RECOMPUTED,
 )
@@ -145,6 +151,7 @@ def _kv_fields(kv_info: Mapping[str, Any]) -> dict[str, Any]:
         "num_handoffs": _int(stats.get("transfers")),
         "num_kv_failures": _int(stats.get("transfers_failed")),
         "num_expired": sum(n for n in expired if n is not None),
+        "num_kv_bytes": _int(stats.get("bytes")),
     }
 
 
@@ -161,6 +168,9 @@ def _metric_fields(samples: Samples) -> dict[str, Any]:
         "stage_means_s": {stage: mean for stage, mean in means.items() if mean is not None},
         "loop_blocked_s": samples.total(f"{_LOOP_BLOCKED}_sum") if loop_count else None,
         "loop_blocked_mean_s": samples.mean(_LOOP_BLOCKED),
+        "num_prefilled_tokens": _int(samples.total(_PREFILLED)),
+        "num_cached_tokens": _int(samples.total(_CACHED)),
+        "num_reused_tokens": _int(samples.total(_REUSED)),
     }
 
 

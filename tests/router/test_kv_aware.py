@@ -81,7 +81,8 @@ def test_prompt_ids_from_token_ids_text_and_chat(tmp_path: Path) -> None:
 
 def test_pd_decode_pool_weighs_its_cache_and_reports_the_fewest_uncached() -> None:
     """P/D: a decode instance reuses its own cache, so the decode pick goes where the history
-    is; fewest_uncached_tokens (conditional disaggregation's input) is the best one's gap."""
+    is; uncached_at_next_decode_pick (conditional disaggregation's input) is that one's gap,
+    asked without changing what the pick will be."""
     cfg = RouterConfig(mode="pull", prefill_urls=("http://127.0.0.1:9000",), decode_urls=(A, B),
                        cluster_token=TOKEN, policy="kv_aware")  # fmt: skip
     pool = InstancePool(cfg)
@@ -90,6 +91,17 @@ def test_pd_decode_pool_weighs_its_cache_and_reports_the_fewest_uncached() -> No
     history = list(range(3000, 3320))  # 20 blocks of 16
     _holds(pool, B, history)
     turn = history + list(range(8000, 8030))
-    assert pool.fewest_uncached_tokens(turn) == 30
+    assert pool.uncached_at_next_decode_pick(turn) == 30
     assert pool.pick("decode", turn).url == B
-    assert pool.fewest_uncached_tokens(list(range(9000, 9100))) == 100  # nothing cached
+    fresh = list(range(9000, 9100))  # nothing cached: A by load (B has one pending)
+    assert pool.uncached_at_next_decode_pick(fresh) == 100
+    assert [pool.pick("decode", fresh).url for _ in range(2)] == [A, A]
+    # A tie rotates between A and B with each pick; three peeks between two picks take no
+    # turn (had they, the second pick would repeat the first).
+    picks = []
+    for _ in range(2):
+        pool.decode[0].num_pending = pool.decode[1].num_pending = 0
+        picks.append(pool.pick("decode", fresh).url)
+        pool.decode[0].num_pending = pool.decode[1].num_pending = 0
+        assert [pool.uncached_at_next_decode_pick(fresh) for _ in range(3)] == [100] * 3
+    assert sorted(picks) == [A, B]

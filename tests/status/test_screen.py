@@ -12,7 +12,8 @@ DECODE = InstanceStatus(
     transport="tcp", num_running=2, num_waiting=1, num_blocks_used=24, num_blocks_total=64,
     num_handoffs=3, num_kv_failures=1, num_expired=0, num_finished=5, num_errors=0,
     ttft_mean_s=0.5, stage_means_s={"transfer": 0.2, "first_step": 0.0125},
-    loop_blocked_s=0.004, loop_blocked_mean_s=0.002,
+    loop_blocked_s=0.004, loop_blocked_mean_s=0.002, num_prefilled_tokens=30,
+    num_cached_tokens=90, num_reused_tokens=480, num_kv_bytes=3 * 2**20,
 )  # fmt: skip
 DOWN = InstanceStatus(
     url="http://p:8001", role="prefill", health="down", is_routed=False,
@@ -45,6 +46,8 @@ def test_busy_instance_shows_load_blocks_handoffs_and_stage_means_in_ms():
     # queue, prefill, handoff_setup: not on D's path; transfer; decode_wait; first_step; TTFT
     assert stages[:8] == ["d:8002", "-", "-", "-", "200.0", "-", "12.5", "500.0"]
     assert "0.004s (2.00 ms each)" in screen
+    cache = _row(screen, "d:8002", table=2)
+    assert cache == ["d:8002", "30", "90", "75%", "480", "3.0", "MiB"]
     assert "problems" not in screen
 
 

@@ -34,9 +34,9 @@ STATS = {
 }  # fmt: skip
 D_BREAKDOWNS = [
     TTFTBreakdown(handoff_setup_s=0.002, transfer_s=0.1, decode_wait_s=0.01, first_step_s=0.02,
-                  loop_blocked_s=0.001, num_bytes=2048),
+                  loop_blocked_s=0.001, num_bytes=2048, num_reused_tokens=32),
     TTFTBreakdown(handoff_setup_s=0.004, transfer_s=0.3, decode_wait_s=0.03, first_step_s=0.02,
-                  loop_blocked_s=0.003, num_bytes=2048),
+                  loop_blocked_s=0.003, num_bytes=2048, num_reused_tokens=16),
 ]  # fmt: skip
 
 
@@ -66,17 +66,23 @@ def test_decode_instance_counters_blocks_and_stage_means():
     assert inst.ttft_mean_s == pytest.approx(0.5)
     assert inst.loop_blocked_s == pytest.approx(0.004)
     assert inst.loop_blocked_mean_s == pytest.approx(0.002)
+    assert (inst.num_reused_tokens, inst.num_kv_bytes) == (48, 4096)
+    assert inst.num_prefilled_tokens is None and inst.cache_hit_fraction is None  # D: no prefill
 
 
 def test_aggregated_instance_has_no_kv_counters():
     engine = FixedLoadEngine(make_load(), {"role": "both", "model": "m"})
-    breakdown = TTFTBreakdown(queue_s=0.01, prefill_s=0.2)
+    breakdown = TTFTBreakdown(queue_s=0.01, prefill_s=0.2, num_prefilled_tokens=10)
     inst = build_instance(
         RouterRow("http://h:1", "both", True), instance_answers(engine, [breakdown], ["stop"])
     )
     assert inst.num_handoffs is None and inst.connector is None
     assert inst.stage_means_s == pytest.approx({"queue": 0.01, "prefill": 0.2})
     assert inst.loop_blocked_s is None and inst.num_blocks_used == 0
+    # 40 prompt tokens, 10 computed: the prefix cache covered 30 of them
+    assert (inst.num_prefilled_tokens, inst.num_cached_tokens) == (10, 30)
+    assert inst.cache_hit_fraction == pytest.approx(0.75)
+    assert inst.num_kv_bytes is None
 
 
 def test_a_draining_instance_is_shown_draining_while_it_still_answers():
