@@ -67,7 +67,7 @@ def test_decode_instance_counters_blocks_and_stage_means():
     assert inst.loop_blocked_s == pytest.approx(0.004)
     assert inst.loop_blocked_mean_s == pytest.approx(0.002)
     assert (inst.num_reused_tokens, inst.num_kv_bytes) == (48, 4096)
-    assert inst.num_prefilled_tokens is None and inst.cache_hit_fraction is None  # D: no prefill
+    assert inst.num_prefilled_tokens == 0 and inst.cache_hit_fraction is None  # D: no prefill
 
 
 def test_aggregated_instance_has_no_kv_counters():
