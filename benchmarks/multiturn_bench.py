@@ -66,7 +66,7 @@ def config_of(name: str) -> dict[str, Any] | None:
         return CONFIGS[name]
     tokens = name.removeprefix(_LOCAL)
     if name.startswith(_LOCAL) and tokens.isdigit():
-        return {**CONFIGS["pull-kv"], "router_args": ("--local-prefill-tokens", tokens)}
+        return {**CONFIGS["pull-kv"], "local_prefill_tokens": int(tokens)}
     return None
 
 

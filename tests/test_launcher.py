@@ -92,6 +92,12 @@ def test_flags_win_over_file(tmp_path: Path) -> None:
     assert "--tokenizer" not in cfg.route_command({}, 9, Path("m"))  # only kv_aware needs it
     kv_aware = dataclasses.replace(cfg, policy="kv_aware").route_command({}, 9, Path("m"))
     assert kv_aware[kv_aware.index("--tokenizer") + 1] == "m"  # to match text prompts
+    local = config_from_args(parser.parse_args(["--config", str(toml), "--policy", "kv_aware",
+                                                "--local-prefill-tokens", "128"]))  # fmt: skip
+    route = local.route_command({"prefill": ["p0"], "decode": ["d0"]}, 9)
+    assert route[route.index("--local-prefill-tokens") + 1] == "128"
+    routed_extra = dataclasses.replace(cfg, router_args=("--breaker-failures", "3"))
+    assert routed_extra.route_command({}, 9)[-2:] == ["--breaker-failures", "3"]
 
 
 def test_one_cluster_file_serves_both_backends(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ Backend = Literal["local", "ray"]
 # Flags the launcher sets on every instance; a pass-through copy would break the cluster's wiring.
 _OWNED_SERVE_FLAGS = ("--model", "--host", "--port", "--role", "--kv-connector", "--kv-transport")
 _ARGS_FIELDS = ("serve_args", "prefill_args", "decode_args", "router_args")
-_INT_FIELDS = ("num_prefill", "num_decode", "port", "threads_per_instance")
+_INT_FIELDS = ("num_prefill", "num_decode", "port", "threads_per_instance", "local_prefill_tokens")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +55,7 @@ class ClusterConfig:
     port: int = field_help(RouterConfig)["port"][0]  # the router's; 0 = a free one
     kv_transport: UpTransport = "auto"
     policy: PolicyName = "round_robin"
+    local_prefill_tokens: int = 0  # the router's --local-prefill-tokens (P/D under kv_aware)
     # Pull: decode instances post READs on their own thread (background) or on the loop.
     pull_setup: PullSetup = field_help(KVTransferConfig)["pull_setup"][0]
     threads_per_instance: int = 1  # torch intra-op threads per instance
@@ -88,6 +89,8 @@ class ClusterConfig:
         for name in ("num_decode", "threads_per_instance", "startup_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in _ARGS_FIELDS:
@@ -149,6 +152,8 @@ class ClusterConfig:
         cmd += ["--policy", self.policy, "--host", self.host, "--port", str(port)]
         if self.policy == "kv_aware" and model_dir is not None:
             cmd += ["--tokenizer", str(model_dir)]
+        if self.local_prefill_tokens:
+            cmd += ["--local-prefill-tokens", str(self.local_prefill_tokens)]
         if urls.get("prefill"):
             cmd += ["--prefill", *urls["prefill"]]
         # The router follows the decode instances' failure policy: under recompute it also
@@ -219,6 +224,7 @@ def merge_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Cl
 
 _FLAG_FIELDS = (
     "mode", "num_prefill", "num_decode", "model", "port", "host", "kv_transport", "policy",
+    "local_prefill_tokens",
     "pull_setup", "threads_per_instance", "log_dir", "startup_timeout_s", "serve_args",
     "backend", "ray_address", "api_key_file",
 )  # fmt: skip
@@ -250,6 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--policy", choices=get_args(PolicyName),
         help=f"the router's choice of instance (default: {d['policy']})",
+    )  # fmt: skip
+    add(
+        "--local-prefill-tokens", type=int,
+        help="P/D under kv_aware: a request the chosen decode instance lacks at most this many "
+        "prompt tokens of is prefilled there, without a prefill instance; 0 = never "
+        f"(default: {d['local_prefill_tokens']})",
     )  # fmt: skip
     add(
         "--pull-setup",
