@@ -10,8 +10,9 @@ median TTFT of turns >= 2 against turn 1), beside throughput, KV bytes moved bet
 and prompt tokens computed per request (from the servers' breakdowns).
 
 `pull-kv-localN` is pull under kv_aware with `--local-prefill-tokens N` (conditional
-disaggregation); `agg2-vr` is the vLLM project's router (`--vllm-router PATH`, policy
-cache_aware) in front of two of our aggregated instances, the peer of `agg2-kv`.
+disaggregation), `agg2-kv-rtN` agg2-kv with `--kv-aware-request-tokens N`; `agg2-vr` is the
+vLLM project's router (`--vllm-router PATH`, policy cache_aware) in front of two of our
+aggregated instances, the peer of `agg2-kv`.
 
     python benchmarks/multiturn_bench.py [--configs pull-ll,pull-kv,pull-kv-local128,agg2-kv]
         [--rounds 2] [--conversations 8 --turns 6 --system-len 512 --user-len 64
@@ -56,6 +57,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "agg2-vr": {"mode": "aggregated", "num_decode": 2, "policy": "round_robin"},
 }
 _LOCAL = "pull-kv-local"  # + N: pull-kv with --local-prefill-tokens N
+_WEIGHT = "agg2-kv-rt"  # + N: agg2-kv with --kv-aware-request-tokens N
 _FIGURES = ("median_ttft_ms_later_turns", "median_ttft_ms", "output_throughput",
             "kv_bytes_per_request", "prefill_tokens_per_request")  # fmt: skip
 
@@ -67,6 +69,9 @@ def config_of(name: str) -> dict[str, Any] | None:
     tokens = name.removeprefix(_LOCAL)
     if name.startswith(_LOCAL) and tokens.isdigit():
         return {**CONFIGS["pull-kv"], "local_prefill_tokens": int(tokens)}
+    weight = name.removeprefix(_WEIGHT)
+    if name.startswith(_WEIGHT) and weight.isdigit():
+        return {**CONFIGS["agg2-kv"], "router_args": ("--kv-aware-request-tokens", weight)}
     return None
 
 
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     unknown = sorted(n for n in names if config_of(n) is None)
     if unknown:
-        print(f"multiturn_bench: unknown configs {unknown}; known: {sorted(CONFIGS)}, {_LOCAL}N")
+        known = f"{sorted(CONFIGS)}, {_LOCAL}N, {_WEIGHT}N"
+        print(f"multiturn_bench: unknown configs {unknown}; known: {known}")
         return 2
     if "agg2-vr" in names and not (args.vllm_router and Path(args.vllm_router).exists()):
         print("multiturn_bench: agg2-vr skipped: no --vllm-router binary given")
@@ -87,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     config = {"configs": {n: config_of(n) for n in names}, "rounds": args.rounds,
               "workload": _workload_keys(args), "model": args.model,
               "host": cpu_info(), **provenance(started, load_start)}  # fmt: skip
+    # The peer's binary by name only: where it lies on this machine is nobody's business.
+    config["argv"] = [Path(a).name if a == args.vllm_router else a for a in config["argv"]]
     write_result({"config": config, "results": rows, "runs": runs}, args.out)
     return 0 if all(run["failed"] == 0 for run in runs) else 1
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="agg2-ll,agg2-kv,agg2-rr,pull-ll,push-ll")
+    p.add_argument("--configs", default="pull-ll,pull-kv-local64,pull-kv-local128,"
+                   "pull-kv-local256,agg2-kv,agg2-vr")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--conversations", type=int, default=8)
