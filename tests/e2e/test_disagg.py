@@ -289,16 +289,19 @@ def test_local_prefill_when_decode_lacks_little(pair: Pair, cluster: Cluster, re
         body = completion_body(base, 4)
         first = complete(router.url, body)
         assert first.text == reference(body) and first.body["disagg"]["breakdown"]["num_bytes"] > 0
-        short = completion_body(base + prompt_ids(801, 20), 6)  # D lacks 90 - 64 = 26 tokens
+        tries = iter(range(801, 900))
 
         def goes_local() -> bool:  # once the router's index has followed D's cache
+            # A new 20-token turn each try (D lacks 90 - 64 = 26 tokens of it): a try that
+            # went through P leaves its own blocks cached on D, which would shrink the next.
+            short = completion_body(base + prompt_ids(next(tries), 20), 6)
             answer = complete(router.url, short)
             assert answer.status == 200 and answer.text == reference(short), answer.body
             breakdown = answer.body["disagg"]["breakdown"]
             return "num_bytes" not in breakdown and breakdown["num_prefilled_tokens"] == 26
 
         wait_until(goes_local, "a short uncached part prefilled on D", timeout_s=10.0)
-        long = completion_body(base + prompt_ids(802, 200), 6)
+        long = completion_body(base + prompt_ids(950, 200), 6)
         answer = complete(router.url, long)
         assert answer.text == reference(long) and answer.body["disagg"]["breakdown"]["num_bytes"]
         assert _router_count(router, "local_prefill") >= 1
