@@ -179,8 +179,7 @@ def make_workload(cfg: WorkloadConfig, tokenizer: TextTokenizer | None = None) -
     if cfg.dataset == "multiturn":  # each turn's prompt holds the answers before it
         raise ValueError(
             "multiturn conversations are played turn by turn, each turn after the answer "
-            "before it (disagg bench); they are not a list of prompts, and disagg sim does "
-            "not replay them yet"
+            "before it (bench/multiturn.py, sim/conversations.py); they are not a list of prompts"
         )
     return _text_prompts(cfg, rng, tokenizer)
 

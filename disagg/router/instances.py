@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
@@ -20,8 +20,15 @@ import yarl
 
 from disagg.config import RouterConfig
 from disagg.router.breaker import CircuitBreaker
-from disagg.router.kv_index import KVIndex
-from disagg.router.policy import InstanceRole, InstanceView, Load, Policy, make_policy
+from disagg.router.kv_index import KV_AWARE_INDEX_BLOCKS, KVIndex, with_cached_tokens
+from disagg.router.policy import (
+    InstanceRole,
+    InstanceView,
+    Load,
+    Policy,
+    make_policy,
+    uncached_at_pick,
+)
 
 __all__ = [
     "HEALTH_POLL_INTERVAL_S",
@@ -37,7 +44,6 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_INTERVAL_S = 0.5  # how often /health is probed; load polling has its own interval
 PROBE_TIMEOUT_S = 2.0  # one /health, /load or /kv_info probe
 LATE_BINDING_TIMEOUT_S = 0.5  # /load refresh on a request's path: stale beats a slow TTFT
-KV_AWARE_INDEX_BLOCKS = 65536  # digests the router keeps under kv_aware (about 25 MB)
 
 PoolName = Literal["prefill", "decode"]
 Source = Literal["static", "registered"]  # named on the command line, or registered itself
@@ -250,7 +256,7 @@ class InstancePool:
         now_s = time.monotonic()
         views = [inst.view(now_s) for inst in candidates]
         if prompt_ids and self.kv_index is not None:  # D's cache counts too: it reuses it
-            views = self._with_cache(views, prompt_ids)
+            views = with_cached_tokens(self.kv_index, views, prompt_ids)
         chosen = candidates[self._policies[pool].choose(views)]
         chosen.num_pending += 1
         chosen.breaker.on_picked(now_s)
@@ -261,16 +267,9 @@ class InstancePool:
         the index): decode-first, the pick is made and then asked. None without an index."""
         if self.kv_index is None or self.cfg.policy != "kv_aware":
             return None
-        views = self._with_cache([inst.view(time.monotonic()) for inst in self.decode], prompt_ids)
-        view = views[self._policies["decode"].choose(views, peek=True)]  # raises if none
-        return view.num_prompt_tokens - view.num_cached_tokens
-
-    def _with_cache(self, views: list[InstanceView], prompt_ids: list[int]) -> list[InstanceView]:
-        assert self.kv_index is not None
-        digests: dict[int, list[str]] = {}  # per block size, for every candidate alike
-        cached = [self.kv_index.num_cached_tokens(v.url, prompt_ids, digests) for v in views]
-        return [replace(v, num_prompt_tokens=len(prompt_ids), num_cached_tokens=n)
-                for v, n in zip(views, cached, strict=True)]  # fmt: skip
+        views = [inst.view(time.monotonic()) for inst in self.decode]
+        views = with_cached_tokens(self.kv_index, views, prompt_ids)
+        return uncached_at_pick(self._policies["decode"], views)
 
     def note_served(self, inst: Instance) -> None:
         """A leg this instance answered (any status it chose to give: a 4xx is the request's)."""

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from disagg.engine.block_pool import hash_blocks
 from disagg.engine.kv_events import wire_digest
+from disagg.router.policy import InstanceView
 
-__all__ = ["KVIndex"]
+__all__ = ["KV_AWARE_INDEX_BLOCKS", "KVIndex", "with_cached_tokens"]
+
+KV_AWARE_INDEX_BLOCKS = 65536  # digests a router keeps under kv_aware (about 25 MB)
 
 _DIGEST = re.compile(r"[0-9a-f]{16}")  # engine/kv_events.py: 8 bytes, hex
 _KINDS = ("stored", "removed")
@@ -113,6 +118,17 @@ class KVIndex:
             urls.discard(url)
             if not urls:
                 del self._where[digest]
+
+
+def with_cached_tokens(
+    index: KVIndex, views: Sequence[InstanceView], prompt_ids: list[int]
+) -> list[InstanceView]:
+    """`views` with the prompt's length and the part of it each instance caches, as the index
+    knows it: what kv_aware weighs (the router's pool and the simulator's router alike)."""
+    digests: dict[int, list[str]] = {}  # per block size, for every candidate alike
+    cached = [index.num_cached_tokens(v.url, prompt_ids, digests) for v in views]
+    return [replace(v, num_prompt_tokens=len(prompt_ids), num_cached_tokens=n)
+            for v, n in zip(views, cached, strict=True)]  # fmt: skip
 
 
 _Reports = list[tuple[str, list[str]]]

@@ -22,6 +22,7 @@ __all__ = [
     "Policy",
     "RoundRobinPolicy",
     "make_policy",
+    "uncached_at_pick",
 ]
 
 # "both" = an aggregated instance that prefills and decodes its own requests.
@@ -182,6 +183,13 @@ def load_key(view: InstanceView) -> tuple[int, ...]:
     if view.role == "both":
         return (0, num_requests, load.num_queued_prefill_tokens, -load.num_free_blocks)
     return (0, num_requests, -load.num_free_blocks)
+
+
+def uncached_at_pick(policy: Policy, views: Sequence[InstanceView]) -> int:
+    """Prompt tokens the instance `policy` would pick now lacks (views carrying the prompt's
+    cached part): decode-first, the pick is made and then asked. Takes no turn of the ties."""
+    view = views[policy.choose(views, peek=True)]  # raises NoHealthyInstanceError if none
+    return view.num_prompt_tokens - view.num_cached_tokens
 
 
 def make_policy(name: str, *, request_tokens: int = 64) -> Policy:

@@ -21,10 +21,12 @@ from disagg.bench.workload import make_workload
 from disagg.config import SchedulerConfig
 from disagg.engine.block_pool import BlockPool
 from disagg.engine.kv_connector import KVConnectorScheduler
+from disagg.engine.kv_events import KVEventLog
 from disagg.engine.scheduler import Scheduler
 from disagg.kv.common import KVIdentity
 from disagg.kv.pull import PullScheduler
 from disagg.kv.push import PushScheduler
+from disagg.sim.conversations import submit_conversations
 from disagg.sim.cost import CostModel
 from disagg.sim.events import EventLoop
 from disagg.sim.fabric import Fabric
@@ -74,11 +76,16 @@ class SimCluster:
             hop_s,
             policy=config.policy,
             max_concurrency=config.max_concurrency,
+            request_tokens=config.kv_aware_request_tokens,
+            local_prefill_tokens=config.local_prefill_tokens,
         )
         return cls(config, cost, loop, fabric, instances, router, num_blocks)
 
     def submit_workload(self) -> None:
         cfg = self.config
+        if cfg.workload.dataset == "multiturn":
+            submit_conversations(cfg, self.router, self.loop)
+            return
         prompts = make_workload(cfg.workload)
         offsets = arrival_offsets_s(
             len(prompts), cfg.request_rate, cfg.burstiness, cfg.workload.seed
@@ -153,9 +160,12 @@ def _instance(
         max_model_len=config.resolved_max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+    # kv_aware's router follows what each prefix cache holds (the real instances publish it)
+    followed = config.policy == "kv_aware" and config.enable_prefix_caching
+    events = KVEventLog() if followed else None
+    pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching, events=events)
     scheduler = Scheduler(sched_config, pool, config.block_size, connector=connector)
-    return SimInstance(engine_id, role, scheduler, SimRunner(cost), worker, loop)
+    return SimInstance(engine_id, role, scheduler, SimRunner(cost), worker, loop, events)
 
 
 def _header(config: SimConfig, cluster: SimCluster) -> dict[str, Any]:
@@ -197,6 +207,8 @@ def _sim_figures(cluster: SimCluster, wall_s: float) -> dict[str, Any]:
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "max_num_seqs": c.max_num_seqs,
             "policy": c.policy,
+            "local_prefill_tokens": c.local_prefill_tokens,
+            "num_local_prefills": cluster.router.num_local_prefills,
             "num_events": cluster.loop.num_events,
             "wall_s": wall_s,
             "requests_per_wall_s": num_requests / wall_s if wall_s > 0 else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from disagg.engine.kv_events import KVEventLog
 from disagg.engine.outputs import SchedulerOutput
 from disagg.engine.request import Request
 from disagg.engine.scheduler import Scheduler
@@ -34,6 +35,7 @@ class SimInstance:
         runner: SimRunner,
         worker: SimKVWorker | None,
         loop: EventLoop,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.role = role  # "prefill" | "decode" | "both"
@@ -41,6 +43,7 @@ class SimInstance:
         self.runner = runner
         self.worker = worker
         self.loop = loop
+        self.kv_events = kv_events  # what the pool's prefix cache holds, for kv_aware routing
         self.stepper = EngineStep(scheduler, worker)
         self.on_outputs: OutputSink = lambda instance, outputs: None
         self.busy_s = 0.0  # virtual time spent stepping (model + loop-blocking KV setup)

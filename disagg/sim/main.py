@@ -57,8 +57,18 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         help="transfer descriptors: vllm (layer x K/V x block) or ours (per block, merged)",
     )
     g.add_argument(
-        "--policy", choices=["least_loaded", "round_robin"], default="least_loaded",
-        help="the router's choice of instance",
+        "--policy", choices=["least_loaded", "round_robin", "kv_aware"], default="least_loaded",
+        help="the router's choice of instance (kv_aware: by cached prefix and load, as "
+        "`disagg route --policy kv_aware`)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-aware-request-tokens", type=int, default=64,
+        help="kv_aware: what one request already on an instance weighs, in prompt tokens",
+    )  # fmt: skip
+    g.add_argument(
+        "--local-prefill-tokens", type=int, default=0,
+        help="P/D under kv_aware: prefill a request on the decode instance when it lacks at "
+        "most this many of its prompt tokens; 0 = never",
     )  # fmt: skip
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None, help="default: what memory holds")
@@ -104,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tp=args.tp,
         layout=args.layout,
         policy=args.policy,
+        kv_aware_request_tokens=args.kv_aware_request_tokens,
+        local_prefill_tokens=args.local_prefill_tokens,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -136,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"disagg sim: {exc}", file=sys.stderr)
         return 2
     print(report.format_table(result, cfg.percentiles))
-    sim = result["sim"]
+    sim, num_requests = result["sim"], result["completed"] + result["failed"]
     print(
-        f"simulated {cfg.workload.num_prompts} requests in {sim['wall_s']:.2f} s wall "
+        f"simulated {num_requests} requests in {sim['wall_s']:.2f} s wall "
         f"({sim['requests_per_wall_s']:.0f} requests/s)"
     )
     if args.result_file:

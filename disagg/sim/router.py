@@ -5,6 +5,9 @@ instances with the real `router/policy.py` from the instances' live `load()`.
 - pull: P leg (max_tokens=1, do_remote_decode); D is chosen when P's answer reaches the router
   (late binding) and gets P's kv_transfer_params.
 - push: P and D chosen together with a fresh transfer id, both legs sent at once.
+Under kv_aware the router's own index (router/kv_index.py) follows each instance's cache
+events (engine/kv_events.py) before every choice, as the real router does every poll, and
+`local_prefill_tokens` sends a request whose uncached part is short to D whole (flows.py).
 Every hop (router -> instance, instance -> router -> client) costs one `http_hop_s`.
 """
 
@@ -12,14 +15,15 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from disagg.bench.metrics import RequestResult
 from disagg.engine.block_pool import hash_blocks
 from disagg.engine.request import Request
 from disagg.protocol import FinishReason, KVTransferParams, RequestOutput, SamplingParams
-from disagg.router.policy import InstanceView, Load, Policy, make_policy
+from disagg.router.kv_index import KV_AWARE_INDEX_BLOCKS, KVIndex, with_cached_tokens
+from disagg.router.policy import InstanceView, Load, Policy, make_policy, uncached_at_pick
 from disagg.sim.events import EventLoop
 from disagg.sim.instance import SimInstance
 
@@ -41,6 +45,8 @@ class ClientRequest:
     # (Real instances each hash; no simulated time is charged for it either way. At 16k-token
     # prompts this was a tenth of the simulator's wall time.)
     prompt_hashes: tuple[int, list[bytes]] | None = None
+    output_ids: list[int] | None = None  # the answer's token ids, kept when not None
+    on_done: Callable[[ClientRequest], None] | None = None  # a conversation's next turn
 
 
 def _prompt_hashes(request: ClientRequest, block_size: int) -> list[bytes]:
@@ -60,6 +66,8 @@ class SimRouter:
         *,
         policy: str = "least_loaded",
         max_concurrency: int | None = None,
+        request_tokens: int = 64,
+        local_prefill_tokens: int = 0,
     ) -> None:
         self.mode = mode
         self.prefill = [i for i in instances if i.role in ("prefill", "both")]
@@ -68,8 +76,13 @@ class SimRouter:
         self.hop_s = http_hop_s
         self.max_concurrency = max_concurrency
         self.requests: dict[str, ClientRequest] = {}
-        self._policies: dict[str, Policy] = {"prefill": make_policy(policy)}
-        self._policies["decode"] = make_policy(policy)
+        self._policies: dict[str, Policy] = {
+            role: make_policy(policy, request_tokens=request_tokens)
+            for role in ("prefill", "decode")
+        }
+        self.kv_index = KVIndex(KV_AWARE_INDEX_BLOCKS) if policy == "kv_aware" else None
+        self.local_prefill_tokens = local_prefill_tokens
+        self.num_local_prefills = 0  # requests prefilled on D (conditional disaggregation)
         self._num_pending: dict[str, int] = {i.engine_id: 0 for i in instances}
         self._transfer_ids = itertools.count()
         self._queued: deque[ClientRequest] = deque()  # over max_concurrency
@@ -91,16 +104,27 @@ class SimRouter:
     def _dispatch(self, request: ClientRequest) -> None:
         self._num_in_flight += 1
         if self.mode == "aggregated":
-            self._send(self._choose(self.prefill, "prefill"), request, request.output_len, None)
+            self._send(self._choose(self.prefill, request), request, request.output_len, None)
+        elif self._prefills_locally(request):
+            self.num_local_prefills += 1
+            self._send(self._choose(self.decode, request), request, request.output_len, None)
         elif self.mode in ("pull", "pull-inline"):
             params = KVTransferParams(do_remote_decode=True, connector="pull")
-            self._send(self._choose(self.prefill, "prefill"), request, 1, params)
+            self._send(self._choose(self.prefill, request), request, 1, params)
         else:
             self._dispatch_push(request)
 
+    def _prefills_locally(self, request: ClientRequest) -> bool:
+        """The decode instance kv_aware would pick lacks at most `local_prefill_tokens` of
+        the prompt (the router's `Flows._prefills_locally`)."""
+        if not self.local_prefill_tokens or self.kv_index is None:
+            return False
+        views = self._views(self.decode, request)
+        return uncached_at_pick(self._policies["decode"], views) <= self.local_prefill_tokens
+
     def _dispatch_push(self, request: ClientRequest) -> None:
-        prefill = self._choose(self.prefill, "prefill")
-        decode = self._choose(self.decode, "decode")
+        prefill = self._choose(self.prefill, request)
+        decode = self._choose(self.decode, request)
         tid = f"t{next(self._transfer_ids)}"
         p_params = KVTransferParams(
             do_remote_decode=True,
@@ -119,7 +143,11 @@ class SimRouter:
         self._send(prefill, request, 1, p_params)
         self._send(decode, request, request.output_len, d_params)
 
-    def _choose(self, candidates: list[SimInstance], role: str) -> SimInstance:
+    def _choose(self, candidates: list[SimInstance], request: ClientRequest) -> SimInstance:
+        role = "decode" if candidates is self.decode else "prefill"
+        return candidates[self._policies[role].choose(self._views(candidates, request))]
+
+    def _views(self, candidates: list[SimInstance], request: ClientRequest) -> list[InstanceView]:
         views = [
             InstanceView(
                 url=i.engine_id,
@@ -130,7 +158,21 @@ class SimRouter:
             )
             for i in candidates
         ]
-        return candidates[self._policies[role].choose(views)]
+        if self.kv_index is None:
+            return views
+        self._follow(candidates)
+        return with_cached_tokens(self.kv_index, views, request.prompt_token_ids)
+
+    def _follow(self, candidates: list[SimInstance]) -> None:
+        """What each instance's cache gained and lost since the index last asked (the wire
+        answer of `/kv/events`): the real router asks every poll, the simulator at each choice."""
+        assert self.kv_index is not None
+        for instance in candidates:
+            log = instance.kv_events
+            if log is not None:
+                answer = log.since(*self.kv_index.cursor(instance.engine_id))
+                block_size = instance.scheduler.kv.block_size
+                self.kv_index.apply(instance.engine_id, {**answer, "block_size": block_size})
 
     def _send(
         self,
@@ -178,13 +220,15 @@ class SimRouter:
             self.loop.after(self.hop_s, lambda: self._send_decode(request, params))
 
     def _send_decode(self, request: ClientRequest, params: KVTransferParams) -> None:
-        self._send(self._choose(self.decode, "decode"), request, request.output_len, params)
+        self._send(self._choose(self.decode, request), request, request.output_len, params)
 
     def _to_client(self, request: ClientRequest, output: RequestOutput) -> None:
         now = self.loop.now_s
         result = request.result
         if output.new_token_ids:
             result.token_times_s.append(now)
+            if request.output_ids is not None:
+                request.output_ids.extend(output.new_token_ids)
         if output.finish_reason is None:
             return
         if output.finish_reason is FinishReason.ERROR:
@@ -208,3 +252,5 @@ class SimRouter:
         self._num_in_flight -= 1
         if self._queued:
             self._dispatch(self._queued.popleft())
+        if request.on_done is not None:
+            request.on_done(request)

@@ -25,6 +25,8 @@ class SimConfig:
     tp: int = 1  # GPUs per instance (tensor parallelism)
     layout: DescriptorLayout = "vllm"  # descriptors per transfer: vllm's or ours
     policy: str = "least_loaded"  # router policy for both roles
+    kv_aware_request_tokens: int = 64  # the router's --kv-aware-request-tokens
+    local_prefill_tokens: int = 0  # the router's --local-prefill-tokens (P/D under kv_aware)
     block_size: int = 16
     num_blocks: int | None = None  # KV blocks per instance; None = what GPU memory holds
     max_num_batched_tokens: int = 8192
@@ -49,6 +51,8 @@ class SimConfig:
             raise ValueError(f"mode {self.mode} needs at least one decode instance")
         if self.tp <= 0:
             raise ValueError(f"tp must be > 0, got {self.tp}")
+        if self.kv_aware_request_tokens < 0 or self.local_prefill_tokens < 0:
+            raise ValueError("kv_aware_request_tokens and local_prefill_tokens must be >= 0")
 
     @property
     def is_pull(self) -> bool:
@@ -67,6 +71,9 @@ class SimConfig:
         if self.max_model_len is not None:
             return self.max_model_len
         w = self.workload
+        longest_out = length_bounds(w.output_len, w.range_ratio)[1]
+        if w.dataset == "multiturn":  # the last turn holds every user turn and answer before it
+            return w.prefix_len + w.num_turns * (w.input_len + longest_out) + 1
         prefix = w.prefix_len if w.dataset == "prefix" else 0
         longest_in = length_bounds(w.input_len, w.range_ratio)[1] + prefix
-        return longest_in + length_bounds(w.output_len, w.range_ratio)[1] + 1
+        return longest_in + longest_out + 1

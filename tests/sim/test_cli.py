@@ -41,7 +41,10 @@ def test_sim_imports_neither_torch_nor_aiohttp() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_conversations_are_refused_not_simulated_wrong(capsys) -> None:  # type: ignore[no-untyped-def]
-    """Each turn's prompt holds the answer before it: a list of prompts cannot stand for it."""
-    assert main(["sim", "--dataset", "multiturn", "--num-turns", "3", "--num-prompts", "2"]) == 2
-    assert "does not replay them yet" in capsys.readouterr().err
+def test_conversations_are_simulated_turn_by_turn(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["sim", "--dataset", "multiturn", "--num-turns", "3", "--num-prompts", "2",
+            "--prefix-len", "64", "--input-len", "32", "--output-len", "8", "--model", "Qwen3-8B",
+            "--policy", "kv_aware"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TTFT by turn" in out and "simulated 6 requests" in out
