@@ -7,6 +7,7 @@ Pure process plumbing: no HTTP and no benchmark logic (each script keeps its own
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import signal
 import subprocess
@@ -43,6 +44,37 @@ def proc_status(pid: int) -> dict[str, str]:
     """/proc/<pid>/status as {field: raw value} ("VmRSS": "  1234 kB")."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return dict(line.split(":", 1) for line in lines)
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU time of `root` and every process below it, in seconds (a process
+    that already exited counts no more: take the difference over a run of live servers)."""
+    return sum(_cpu_seconds(pid) for pid in _tree(root))
+
+
+def _tree(root: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(parents.get(pid, []))
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory_mib(pid: int) -> dict[str, float]:

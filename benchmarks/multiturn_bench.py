@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 # benchmarks/ is on sys.path when this file runs as a script.
+from child_procs import tree_cpu_seconds
 from live_cluster import format_cell, provenance, write_result
 
 from disagg.bench.host import cpu_info
@@ -59,7 +60,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 _LOCAL = "pull-kv-local"  # + N: pull-kv with --local-prefill-tokens N
 _WEIGHT = "agg2-kv-rt"  # + N: agg2-kv with --kv-aware-request-tokens N
 _FIGURES = ("median_ttft_ms_later_turns", "median_ttft_ms", "output_throughput",
-            "kv_bytes_per_request", "prefill_tokens_per_request")  # fmt: skip
+            "kv_bytes_per_request", "prefill_tokens_per_request", "front_cpu_s",
+            "instances_cpu_s")  # fmt: skip
 
 
 def config_of(name: str) -> dict[str, Any] | None:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="pull-ll,pull-kv-local64,pull-kv-local128,"
-                   "pull-kv-local256,agg2-kv,agg2-vr")  # fmt: skip
+                   "pull-kv-local256,agg2-kv,agg2-kv-rt64,agg2-vr")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--conversations", type=int, default=8)
@@ -139,13 +141,23 @@ def _run(name: str, round_index: int, args: argparse.Namespace) -> dict[str, Any
     config = ClusterConfig(model=args.model, port=0, log_dir=log_dir / f"{name}-{round_index}",
                            **fields)  # fmt: skip
     print(f"multiturn_bench: {name}, round {round_index + 1}/{args.rounds}", file=sys.stderr)
-    with Cluster(config) as cluster, _front(name, cluster, args) as url:
+    with Cluster(config) as cluster, _front(name, cluster, args) as (url, front_pid):
         bench = BenchConfig(base_url=url, workload=_workload(args, round_index),
                             tokenizer=model_dir, warmup=2)  # fmt: skip
+        instances = [pid for child, pid in cluster.pids.items() if child != "router"]
+        cpu_before = _cpu(front_pid, instances)
         result = asyncio.run(run_benchmark(bench))
+        cpu = {k: after - cpu_before[k] for k, after in _cpu(front_pid, instances).items()}
     keys = ("completed", "failed", "median_ttft_ms_by_turn", *_FIGURES[:3])
     return {"config": name, "round": round_index, **{k: result[k] for k in keys},
-            **_moved_and_computed(result["breakdowns"])}  # fmt: skip
+            **_moved_and_computed(result["breakdowns"]), **cpu}  # fmt: skip
+
+
+def _cpu(front_pid: int, instance_pids: list[int]) -> dict[str, float]:
+    """CPU-seconds so far of the router the bench sends to and of the instances together
+    (the differences include the bench's two warm-up turns)."""
+    return {"front_cpu_s": tree_cpu_seconds(front_pid),
+            "instances_cpu_s": sum(tree_cpu_seconds(pid) for pid in instance_pids)}  # fmt: skip
 
 
 def _moved_and_computed(breakdowns: list[dict[str, float]]) -> dict[str, float]:
@@ -160,11 +172,11 @@ def _moved_and_computed(breakdowns: list[dict[str, float]]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _front(name: str, cluster: Cluster, args: argparse.Namespace) -> Iterator[str]:
-    """The URL the bench sends to: our router, or for agg2-vr the peer router started over
-    the same instances (stopped after)."""
+def _front(name: str, cluster: Cluster, args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """The URL the bench sends to and its router's pid: ours, or for agg2-vr the peer router
+    started over the same instances (stopped after)."""
     if name != "agg2-vr":
-        yield cluster.url
+        yield cluster.url, cluster.pids["router"]
         return
     from disagg.cluster.processes import free_port
 
@@ -175,7 +187,7 @@ def _front(name: str, cluster: Cluster, args: argparse.Namespace) -> Iterator[st
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_serving(url, proc)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
@@ -213,7 +225,8 @@ def _medians(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any
 def print_table(rows: list[dict[str, Any]]) -> None:
     base = rows[0]["config"]
     print(f"{'config':<18} {'TTFT turns>=2 ms':>17} {'TTFT all ms':>12} {'tok/s':>8} "
-          f"{'KV KiB/req':>10} {'prefill tok/req':>15}   vs {base}: TTFT turns>=2, tok/s, "
+          f"{'KV KiB/req':>10} {'prefill tok/req':>15} {'router CPU s':>12} "
+          f"{'inst CPU s':>10}   vs {base}: TTFT turns>=2, tok/s, "
           "KV bytes, prefill tokens")  # fmt: skip
     for row in rows:
         later = format_cell(row["median_ttft_ms_later_turns"], 17)
@@ -222,7 +235,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ratios = ", ".join(f"{row[f'{f}_vs_{base}']:.2f}x" for f in shown)
         print(f"{row['config']:<18} {later} {format_cell(row['median_ttft_ms'], 12)} "
               f"{row['output_throughput']:>8.1f} {row['kv_bytes_per_request'] / 1024:>10.1f} "
-              f"{row['prefill_tokens_per_request']:>15.1f}   {ratios}")  # fmt: skip
+              f"{row['prefill_tokens_per_request']:>15.1f} {row['front_cpu_s']:>12.1f} "
+              f"{row['instances_cpu_s']:>10.1f}   {ratios}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from child_procs import tree_cpu_seconds
+
 from disagg.bench.host import cpu_info
 from disagg.engine.checkpoint import resolve_model
 
@@ -92,32 +94,7 @@ class Server:
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server's process tree (vLLM's engine core is a child)."""
         assert self.proc is not None
-        return sum(_cpu_seconds(pid) for pid in _tree(self.proc.pid))
-
-
-def _tree(root: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo.extend(parents.get(pid, []))
-    return pids
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return tree_cpu_seconds(self.proc.pid)
 
 
 def make_servers(args: argparse.Namespace, dtype: str, model_dir: str, logs: Path) -> list[Server]:

@@ -304,7 +304,9 @@ class RouterConfig:
     kv_index_max_blocks: int = 0
     # kv_aware: what one request already on an instance weighs against prompt tokens to compute
     # (its cost: uncached prompt tokens + queued prefill tokens + this x requests there).
-    kv_aware_request_tokens: int = 64
+    # Small: a conversation that hops to balance load recomputes its history there; 16 beat 64
+    # and 256 on output tok/s in benchmarks/multiturn_bench.py (docs/results/README.md).
+    kv_aware_request_tokens: int = 16
     # P/D under kv_aware: a request whose prompt the best decode instance lacks at most this
     # many tokens of is sent to that instance whole (it prefills them itself, no handoff);
     # 0 = always disaggregate. benchmarks/multiturn_bench.py measures the choice.

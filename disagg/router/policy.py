@@ -192,7 +192,7 @@ def uncached_at_pick(policy: Policy, views: Sequence[InstanceView]) -> int:
     return view.num_prompt_tokens - view.num_cached_tokens
 
 
-def make_policy(name: str, *, request_tokens: int = 64) -> Policy:
+def make_policy(name: str, *, request_tokens: int = 16) -> Policy:
     """A fresh policy object for one role; `name` as in RouterConfig.policy
     (`request_tokens`: kv_aware's weight of a request already on an instance)."""
     if name == "round_robin":

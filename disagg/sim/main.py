@@ -62,7 +62,7 @@ def _add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
         "`disagg route --policy kv_aware`)",
     )  # fmt: skip
     g.add_argument(
-        "--kv-aware-request-tokens", type=int, default=64,
+        "--kv-aware-request-tokens", type=int, default=16,
         help="kv_aware: what one request already on an instance weighs, in prompt tokens",
     )  # fmt: skip
     g.add_argument(

@@ -66,7 +66,7 @@ class SimRouter:
         *,
         policy: str = "least_loaded",
         max_concurrency: int | None = None,
-        request_tokens: int = 64,
+        request_tokens: int = 16,
         local_prefill_tokens: int = 0,
     ) -> None:
         self.mode = mode

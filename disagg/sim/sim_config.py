@@ -25,7 +25,7 @@ class SimConfig:
     tp: int = 1  # GPUs per instance (tensor parallelism)
     layout: DescriptorLayout = "vllm"  # descriptors per transfer: vllm's or ours
     policy: str = "least_loaded"  # router policy for both roles
-    kv_aware_request_tokens: int = 64  # the router's --kv-aware-request-tokens
+    kv_aware_request_tokens: int = 16  # the router's --kv-aware-request-tokens
     local_prefill_tokens: int = 0  # the router's --local-prefill-tokens (P/D under kv_aware)
     block_size: int = 16
     num_blocks: int | None = None  # KV blocks per instance; None = what GPU memory holds
