@@ -65,13 +65,12 @@ class KVCacheManager:
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens match_prefix would reuse now (nothing is referenced): an estimate for
         the load a router reads, which an eviction before the request starts can undo. 0
-        without hashing when no match will be made: caching off, or a decode-side request
-        whose KV comes from a prefill instance (never matched here)."""
-        if request.needs_remote_kv or not self.block_pool.enable_caching:
+        for a decode-side request whose KV comes from a prefill instance (its reuse is
+        counted when it allocates); `_lookup` hashes nothing when caching is off."""
+        if request.needs_remote_kv:
             return 0
-        return len(self._lookup(request, (request.num_tokens - 1) // self.block_size)) * (
-            self.block_size
-        )
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return len(self._lookup(request, max_blocks)) * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish every newly completed block under its hash, for later prefix matches."""
