@@ -76,7 +76,7 @@ def _send_turn(conv: SimConversation, router: SimRouter) -> None:
     router.submit(
         ClientRequest(
             request_id=f"c{conv.index}-t{conv.num_sent}",
-            prompt_token_ids=list(prompt),  # the router drops its copy when the turn ends
+            prompt_token_ids=prompt,  # a fresh list: the next turn extends `history`, not it
             output_len=conv.output_len,
             result=RequestResult(input_len=len(prompt), turn=conv.num_sent),
             output_ids=[],

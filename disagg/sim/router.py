@@ -105,22 +105,25 @@ class SimRouter:
         self._num_in_flight += 1
         if self.mode == "aggregated":
             self._send(self._choose(self.prefill, request), request, request.output_len, None)
-        elif self._prefills_locally(request):
+        elif (local := self._local_prefill_pick(request)) is not None:
             self.num_local_prefills += 1
-            self._send(self._choose(self.decode, request), request, request.output_len, None)
+            self._send(local, request, request.output_len, None)
         elif self.mode in ("pull", "pull-inline"):
             params = KVTransferParams(do_remote_decode=True, connector="pull")
             self._send(self._choose(self.prefill, request), request, 1, params)
         else:
             self._dispatch_push(request)
 
-    def _prefills_locally(self, request: ClientRequest) -> bool:
-        """The decode instance kv_aware would pick lacks at most `local_prefill_tokens` of
-        the prompt (the router's `Flows._prefills_locally`)."""
+    def _local_prefill_pick(self, request: ClientRequest) -> SimInstance | None:
+        """The decode instance kv_aware picks, when it lacks at most `local_prefill_tokens`
+        of the prompt (the router's `Flows._prefills_locally`); None: prefill on P. One set
+        of views serves the peek and the pick: no time passes between them here."""
         if not self.local_prefill_tokens or self.kv_index is None:
-            return False
-        views = self._views(self.decode, request)
-        return uncached_at_pick(self._policies["decode"], views) <= self.local_prefill_tokens
+            return None
+        views, policy = self._views(self.decode, request), self._policies["decode"]
+        if uncached_at_pick(policy, views) > self.local_prefill_tokens:
+            return None
+        return self.decode[policy.choose(views)]
 
     def _dispatch_push(self, request: ClientRequest) -> None:
         prefill = self._choose(self.prefill, request)
