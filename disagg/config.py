@@ -51,6 +51,7 @@ FailurePolicy = Literal["fail", "recompute"]
 PullSetup = Literal["background", "inline"]
 RouterMode = Literal["aggregated", "pull", "push"]
 PolicyName = Literal["round_robin", "least_loaded", "kv_aware"]
+EngineChoice = Literal["auto", "disagg", "vllm"]  # the engines a router can drive
 AttentionBackend = Literal["auto", "native", "torch"]
 
 
@@ -186,7 +187,10 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # address peers use to reach this instance (HTTP side channel + KV)
     engine_id: str = ""  # "" = derived from host and port at start
     lease_s: float = 30.0  # P keeps blocks this long for a pull that never comes
-    reservation_timeout_s: float = 30.0  # D frees a reservation P never wrote
+    # D frees a reservation P never wrote. It covers P's queue and prefill, which at a loaded P
+    # take minutes (measured: a 3k-token prompt at 0.06 req/s on a CPU waited > 30 s, and its
+    # request failed); a dead P is caught sooner (the router cuts D's leg). SGLang waits 300 s.
+    reservation_timeout_s: float = 300.0
     transfer_timeout_s: float = 20.0  # a posted transfer that has not finished by then fails
     failure_policy: FailurePolicy = "fail"  # on a failed transfer: error, or prefill on D
     # Pull, decode side: where descriptors are built and the READ posted and polled.
@@ -337,9 +341,16 @@ class RouterConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    # Which kind of instance the router drives: "auto" tells each instance's kind from what it
+    # answers (ours: /kv_info; vLLM: /version); "disagg" or "vllm" accept only that kind.
+    engine: EngineChoice = "auto"
+    # vLLM instances' NIXL identities, "URL=ENGINE_ID@HOST:PORT[,tp=N]": a push router names
+    # the prefill side's on each decode leg (else read from vLLM's dev-mode /server_info).
+    vllm_side_channels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_url("advertise_url", self.advertise_url)
+        _check_choice("engine", self.engine, EngineChoice)
         _check_tls(self, self.tls_cert_file, self.tls_key_file)
         _check_files(self, "tls_ca_file")
         _check_choice("failure_policy", self.failure_policy, FailurePolicy)
@@ -363,8 +374,9 @@ class RouterConfig:
             raise ValueError("kv_aware and kv_index_max_blocks need the cluster token: they "
                              "follow the instances' /kv/events, a signed route")  # fmt: skip
         _check_resilience(self)
+        # vLLM's legs are not signed calls of ours: only our instances need the token.
         _check_token("a pull or push router", self.cluster_token,
-                     is_required=self.mode != "aggregated")  # fmt: skip
+                     is_required=self.mode != "aggregated" and self.engine != "vllm")  # fmt: skip
 
 
 def _check_resilience(cfg: RouterConfig) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -22,12 +22,21 @@ from disagg.server.prompt_limits import check_body_size, check_prompt_size
 
 __all__ = [
     "Call",
+    "WireParams",
     "checked_body",
     "make_body_parser",
     "parse_call",
     "prefill_body",
     "push_params",
 ]
+
+
+class WireParams(Protocol):
+    """A leg's `kv_transfer_params`: ours (`KVTransferParams`) or vLLM's (`VLLMParams`)."""
+
+    def to_sparse_dict(self) -> dict[str, Any]:
+        """The JSON object the leg carries."""
+        ...
 
 
 @dataclass(slots=True)
@@ -42,7 +51,7 @@ class Call:
     started_s: float = field(default_factory=time.monotonic)
     prompt_ids: list[int] | None = None  # as the instances will tokenize it, when known
 
-    def body_with(self, params: KVTransferParams) -> dict[str, Any]:
+    def body_with(self, params: WireParams) -> dict[str, Any]:
         """The client's body carrying `params` (the form a decode leg is sent)."""
         return {**self.body, "kv_transfer_params": params.to_sparse_dict()}
 
@@ -77,7 +86,7 @@ def push_params(
     return p_params, d_params
 
 
-def prefill_body(body: dict[str, Any], params: KVTransferParams) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: WireParams) -> dict[str, Any]:
     """The P leg: the same request cut to one token, not streamed, keeping its KV for D."""
     dropped = ("max_completion_tokens", "min_tokens", "stream_options")
     out = {k: v for k, v in body.items() if k not in dropped}

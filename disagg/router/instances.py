@@ -1,9 +1,10 @@
-"""Typed records of the instances behind the router, and the background task that keeps them fresh.
+"""The instances behind the router (instance.py: one's record), and the task that keeps them fresh.
 
-Owns each instance's health (`/health`), load (`/load`), KV identity (`/kv_info`) and circuit
-breaker (fed each leg's outcome by legs.py), the live membership (instances named on the command
-line, plus those that register themselves and keep heartbeating), and turns a policy's choice
-into an `Instance`. Must not proxy requests (legs.py) nor rank instances (policy.py).
+Owns each instance's health (`/health`), load (`/load`), identity (which kind it is and who it
+is on the KV side: identify.py) and circuit breaker (fed each leg's outcome by legs.py), the
+live membership (instances named on the command line, plus those that register themselves and
+keep heartbeating), and turns a policy's choice into an `Instance`. Must not proxy requests
+(legs.py) nor rank instances (policy.py).
 """
 
 from __future__ import annotations
@@ -12,29 +13,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
-import yarl
 
 from disagg.config import RouterConfig
 from disagg.router.breaker import CircuitBreaker
+from disagg.router.identify import identify, mismatch_warning, refusal
+from disagg.router.identity import Identity, VLLMIdentity, parse_side_channel
+from disagg.router.instance import Instance, Source, normalize_url
 from disagg.router.kv_index import KV_AWARE_INDEX_BLOCKS, KVIndex, with_cached_tokens
-from disagg.router.policy import (
-    InstanceRole,
-    InstanceView,
-    Load,
-    Policy,
-    make_policy,
-    uncached_at_pick,
-)
+from disagg.router.policy import InstanceRole, Load, Policy, make_policy, uncached_at_pick
+from disagg.router.vllm_load import load_from_vllm_metrics
 
 __all__ = [
     "HEALTH_POLL_INTERVAL_S",
     "Instance",
     "InstancePool",
-    "KVInfo",
     "MembershipError",
     "normalize_url",
 ]
@@ -42,104 +37,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_INTERVAL_S = 0.5  # how often /health is probed; load polling has its own interval
-PROBE_TIMEOUT_S = 2.0  # one /health, /load or /kv_info probe
+PROBE_TIMEOUT_S = 2.0  # one /health, /load or identity probe
 LATE_BINDING_TIMEOUT_S = 0.5  # /load refresh on a request's path: stale beats a slow TTFT
 
 PoolName = Literal["prefill", "decode"]
-Source = Literal["static", "registered"]  # named on the command line, or registered itself
 
 
 class MembershipError(ValueError):
     """A registration the router refuses (a role this mode does not use)."""
-
-
-def normalize_url(url: str) -> str:
-    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if it is no base URL."""
-    url = url.strip().rstrip("/")
-    url = url if "://" in url else f"http://{url}"
-    try:
-        parsed = yarl.URL(url)
-        is_ok = parsed.scheme in ("http", "https") and bool(parsed.host)
-        is_ok = is_ok and not any(c.isspace() for c in url)
-    except (ValueError, TypeError):
-        is_ok = False
-    if not is_ok:
-        raise ValueError(f"instance URL must look like http://host:port, got {url!r}")
-    return url
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVInfo:
-    """An instance's `GET /kv_info`: who it is on the KV side channel."""
-
-    role: str  # "prefill" | "decode" | "both"
-    engine_id: str | None = None
-    connector: str | None = None  # "pull" | "push"; None when role is "both"
-    kv_host: str | None = None  # KV side-channel address peers connect to
-    kv_port: int | None = None
-    block_size: int | None = None  # tokens per KV block
-    model: str | None = None
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> KVInfo:
-        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
-            raise ValueError(f"kv_info must be an object with a string role, got {raw!r}")
-        port = raw.get("kv_port")
-        if port is not None and type(port) is not int:
-            raise ValueError(f"kv_info.kv_port must be an integer, got {port!r}")
-        names = ("engine_id", "connector", "kv_host", "block_size", "model")
-        return cls(role=raw["role"], kv_port=port, **{n: raw.get(n) for n in names})
-
-    @property
-    def is_addressable(self) -> bool:
-        """True when a peer can reach this instance's KV (push needs it of P)."""
-        return bool(self.engine_id) and bool(self.kv_host) and self.kv_port is not None
-
-
-@dataclass(slots=True)
-class Instance:
-    """The router's live record of one instance. Mutated only by InstancePool."""
-
-    url: str  # base URL, no trailing slash
-    role: InstanceRole
-    breaker: CircuitBreaker
-    is_healthy: bool = False
-    load: Load | None = None  # last /load answer; None until one arrives or after a failure
-    num_pending: int = 0  # requests routed here since `load` was taken
-    kv_info: KVInfo | None = None  # cached /kv_info; dropped when the instance goes unhealthy
-    source: Source = "static"
-    is_draining: bool = False  # finishing what it has; no new work goes to it
-    last_heartbeat_s: float | None = None  # monotonic; registered instances only
-
-    @property
-    def takes_work(self) -> bool:
-        return self.is_healthy and not self.is_draining
-
-    def is_pickable(self, now_s: float) -> bool:
-        """Healthy, not draining, and its breaker lets a leg through."""
-        return self.takes_work and self.breaker.allows(now_s)
-
-    def view(self, now_s: float) -> InstanceView:
-        return InstanceView(
-            url=self.url,
-            role=self.role,
-            is_healthy=self.is_pickable(now_s),  # never a draining one, nor an open breaker
-            load=self.load,
-            num_pending=self.num_pending,
-        )
-
-    def to_dict(self, now_s: float) -> dict[str, Any]:
-        age = None if self.last_heartbeat_s is None else round(now_s - self.last_heartbeat_s, 3)
-        return {
-            "url": self.url,
-            "role": self.role,
-            "healthy": self.is_healthy,
-            "draining": self.is_draining,
-            "breaker": self.breaker.state.value,
-            "source": self.source,
-            "heartbeat_age_s": age,
-            "engine_id": self.kv_info.engine_id if self.kv_info else None,
-        }
 
 
 class InstancePool:
@@ -154,6 +59,11 @@ class InstancePool:
         prefill_urls = () if is_aggregated else cfg.prefill_urls
         self.prefill = [self._new(normalize_url(u), "prefill") for u in prefill_urls]
         self.decode = [self._new(normalize_url(u), self.decode_role) for u in cfg.decode_urls]
+        # vLLM instances' KV identities as the operator declared them, by base URL.
+        self.declared: dict[str, VLLMIdentity] = {
+            normalize_url(url): found
+            for url, found in map(parse_side_channel, cfg.vllm_side_channels)
+        }
         tokens = cfg.kv_aware_request_tokens
         self._policies: dict[PoolName, Policy] = {
             "prefill": make_policy(cfg.policy, request_tokens=tokens),
@@ -302,7 +212,7 @@ class InstancePool:
             logger.warning("instance %s (%s) unhealthy: %s", inst.url, inst.role, reason)
         inst.is_healthy = False
         inst.load = None
-        inst.kv_info = None  # a restarted instance may come back with a new KV identity
+        inst.identity = None  # a restarted instance may come back with a new KV identity
 
     async def poll_health(self) -> None:
         await asyncio.gather(*(self._probe_health(inst) for inst in self.instances))
@@ -314,13 +224,19 @@ class InstancePool:
         healthy = [inst for inst in instances if inst.is_healthy]
         await asyncio.gather(*(self._probe_load(inst, timeout_s) for inst in healthy))
 
-    async def get_kv_info(self, inst: Instance) -> KVInfo:
-        """Cached /kv_info; fetched on a miss. Raises aiohttp.ClientError, TimeoutError or
-        ValueError when the instance cannot tell."""
-        if inst.kv_info is None:
-            inst.kv_info = KVInfo.from_dict(await self._get_json(inst, "/kv_info", PROBE_TIMEOUT_S))
-            _warn_on_mismatch(inst, inst.kv_info, self.cfg.mode)
-        return inst.kv_info
+    async def get_identity(self, inst: Instance) -> Identity:
+        """Cached identity; probed on a miss (identify.py). Raises aiohttp.ClientError,
+        TimeoutError or ValueError when the instance cannot tell."""
+        if inst.identity is None:
+            declared = self.declared.get(inst.url)
+
+            async def get(path: str) -> tuple[int, Any]:
+                return await self._get_answer(inst, path)
+
+            inst.identity = await identify(get, self.cfg.engine, declared)
+            if (odd := mismatch_warning(inst.identity, inst.role, self.cfg.mode)) is not None:
+                logger.warning("instance %s %s", inst.url, odd)
+        return inst.identity
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -353,24 +269,42 @@ class InstancePool:
             await self._on_healthy(inst)
 
     async def _on_healthy(self, inst: Instance) -> None:
-        """Transition to healthy: refresh what a restart may have changed before routing to it."""
-        inst.kv_info = None
+        """Transition to healthy: refresh what a restart may have changed before routing to it;
+        an instance of a kind or connector this router cannot drive stays out (`problem`)."""
+        inst.identity = None
         inst.breaker.on_served()  # a restarted instance starts with a clean record
-        if inst.role != "both":
-            try:
-                await self.get_kv_info(inst)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                # Not fatal: push fetches it again on the request path.
-                logger.warning("instance %s: /kv_info failed: %r", inst.url, exc)
+        if not await self._is_drivable(inst):
+            return
         if self.uses_load and not await self._probe_load(inst, PROBE_TIMEOUT_S):
             return  # gone again between /health and /load
         inst.is_healthy = True
         logger.info("instance %s (%s) healthy", inst.url, inst.role)
 
+    async def _is_drivable(self, inst: Instance) -> bool:
+        """Identify `inst` and keep it out when this router cannot drive it (logged once per
+        reason, shown in /instances)."""
+        try:
+            identity = await self.get_identity(inst)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            problem: str | None = f"cannot tell what it is: {exc or type(exc).__name__}"
+        else:
+            others = {i.identity.engine for i in self.instances
+                      if i is not inst and i.is_healthy and i.identity is not None}  # fmt: skip
+            problem = refusal(identity, inst.role, self.cfg.mode, self.cfg.engine, others)
+            if problem is None and problem != inst.problem:
+                logger.info("instance %s (%s) is %s", inst.url, inst.role, identity.describe())
+        if problem is not None and problem != inst.problem:
+            logger.error("instance %s (%s) takes no work: %s", inst.url, inst.role, problem)
+        inst.problem = problem
+        return problem is None
+
     async def _probe_load(self, inst: Instance, timeout_s: float) -> bool:
         """Refresh `inst.load`; False when the instance could not be reached at all."""
         try:
-            load = Load.from_dict(await self._get_json(inst, "/load", timeout_s))
+            if isinstance(inst.identity, VLLMIdentity):  # its /load is not ours: its gauges
+                load = load_from_vllm_metrics(await self._get_text(inst, "/metrics", timeout_s))
+            else:
+                load = Load.from_dict(await self._get_json(inst, "/load", timeout_s))
         except aiohttp.ClientConnectionError as exc:
             self.mark_unhealthy(inst, f"/load failed: {exc!r}")
             return False
@@ -388,11 +322,19 @@ class InstancePool:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 
+    async def _get_text(self, inst: Instance, path: str, timeout_s: float) -> str:
+        assert self._session is not None, "InstancePool.start() not called"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session.get(f"{inst.url}{path}", timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.text()
 
-def _warn_on_mismatch(inst: Instance, info: KVInfo, mode: str) -> None:
-    if info.role != inst.role:
-        logger.warning("instance %s is listed as %s but reports %s", inst.url, inst.role, info.role)
-    if inst.role != "both" and info.connector not in (None, mode):
-        logger.warning(
-            "instance %s runs connector %s, router mode is %s", inst.url, info.connector, mode
-        )
+    async def _get_answer(self, inst: Instance, path: str) -> tuple[int, Any]:
+        """(status, JSON answer or None) of GET `path`; raises only when nothing answers."""
+        assert self._session is not None, "InstancePool.start() not called"
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        async with self._session.get(f"{inst.url}{path}", timeout=timeout) as resp:
+            try:
+                return resp.status, await resp.json(content_type=None)
+            except ValueError:
+                return resp.status, None

@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 import aiohttp
 
 from disagg.config import RouterConfig
-from disagg.protocol import KV_RELEASE_PATH, KVTransferParams
-from disagg.router.call import Call, prefill_body
-from disagg.router.instances import Instance, InstancePool, KVInfo, PoolName
+from disagg.protocol import KV_RELEASE_PATH
+from disagg.router.call import Call, WireParams, prefill_body
+from disagg.router.identity import Identity, VLLMIdentity
+from disagg.router.instances import Instance, InstancePool, PoolName
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
 from disagg.router.relay import BreakdownSource, Leg, Relay, Relayed, RouteError, read_all
@@ -122,20 +123,22 @@ class Legs:
 
     # ---- one leg --------------------------------------------------------------------------
 
-    async def kv_identity(self, inst: Instance, leg: Leg) -> KVInfo:
+    async def kv_identity(self, inst: Instance, leg: Leg) -> Identity:
+        """The instance's identity (cached), its KV side channel known: push names it."""
         try:
-            info = await self.pool.get_kv_info(inst)
+            info = await self.pool.get_identity(inst)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            error = RouteError.of(502, f"no kv_info from {inst.url}: {exc!r}", leg=leg)
+            error = RouteError.of(502, f"no KV identity from {inst.url}: {exc!r}", leg=leg)
             if isinstance(exc, aiohttp.ClientConnectorError):  # gone: no leg was sent yet
                 self.pool.mark_unhealthy(inst, repr(exc))
                 error.unsent = True
             raise error from exc
-        if not info.is_addressable:
+        # vLLM's decode side tells P its own address in its registration; ours is named.
+        if not info.is_addressable and (leg == "prefill" or info.engine == "disagg"):
             raise RouteError.of(502, f"{inst.url} has no KV address for push", leg=leg)
         return info
 
-    async def prefill(self, inst: Instance, call: Call, params: KVTransferParams) -> dict[str, Any]:
+    async def prefill(self, inst: Instance, call: Call, params: WireParams) -> dict[str, Any]:
         """The P leg, to its JSON answer. Raises RouteError(leg="prefill") on any failure."""
         started_s = time.monotonic()
         resp = await self.send(inst, call, prefill_body(call.body, params), "prefill")
@@ -217,11 +220,18 @@ class Legs:
     # ---- cluster calls in the background --------------------------------------------------
 
     def abort(self, inst: Instance, request_id: str) -> None:
-        """POST /v1/abort in the background: it must land even if this handler is cancelled."""
+        """POST /v1/abort in the background: it must land even if this handler is cancelled.
+        vLLM has no such route: dropping a leg's connection is its abort, which the handoff's
+        cut (or the cancelled handler) already did."""
+        if _is_vllm(inst):
+            return
         self.keep(asyncio.create_task(self._post_internal(inst, "/v1/abort", request_id)))
 
     def release(self, inst: Instance, request_id: str) -> None:
-        """Pull: tell P that no decode instance read its lease, so the blocks go now."""
+        """Pull: tell P that no decode instance read its lease, so the blocks go now. vLLM
+        has no such route: its lease ends on its own (30 s), or when D's abort tells P."""
+        if _is_vllm(inst):
+            return
         self.keep(asyncio.create_task(self._post_internal(inst, KV_RELEASE_PATH, request_id)))
 
     def fence_then_release(
@@ -230,7 +240,10 @@ class Legs:
         """Pull, D's leg sent but the request over: abort it on D with a fence, and when D
         answers that it never took the request (so it never will), release P's lease, which
         nobody else would (D may have been cut off while reading the leg). When D holds the
-        request, or the answer does not come, D's own release or the lease's end frees it."""
+        request, or the answer does not come, D's own release or the lease's end frees it.
+        vLLM fences nothing: the cut leg was its abort, and P's lease ends on its own."""
+        if _is_vllm(decode):
+            return
         self.keep(
             asyncio.create_task(self._fence_then_release(decode, request_id, prefill, lease_id))
         )
@@ -286,6 +299,10 @@ class Legs:
         aborts only when signed with the cluster token, for them, once (a fresh nonce each
         time: a retry is signed anew). `request_id`: the X-Request-Id the leg carries."""
         return auth.json_headers(self.cfg.cluster_token, url, data, request_id=request_id)
+
+
+def _is_vllm(inst: Instance) -> bool:
+    return isinstance(inst.identity, VLLMIdentity)
 
 
 def consume(task: asyncio.Future[Any]) -> None:

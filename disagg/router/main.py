@@ -15,6 +15,7 @@ from pathlib import Path
 from disagg.config import CLUSTER_TOKEN_ENV, RouterConfig, env_cluster_token, resolve_api_key
 from disagg.config_flags import add_field_flag
 from disagg.router.app import make_app, start_server
+from disagg.router.identity import parse_side_channel
 from disagg.router.instances import normalize_url
 from disagg.security import tls
 
@@ -30,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_field_flag(
             parser, RouterConfig, name, flag, text, dest=name, metavar=_METAVARS.get(name)
         )
+    parser.add_argument(
+        "--vllm-side-channel", nargs="+", action="extend", default=[],
+        metavar="URL=ENGINE_ID@HOST:PORT",
+        help="a vLLM instance's NIXL identity (kv_transfer_config engine_id, "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST:PORT, ',tp=N' when its TP size is not 1): a push router "
+        "names its prefill instance's on every decode leg; without it, read from vLLM's "
+        "/server_info (VLLM_SERVER_DEV_MODE=1)",
+    )  # fmt: skip
     # Not a config field: the file is only where RouterConfig.api_key comes from.
     parser.add_argument(
         "--api-key-file", type=Path, metavar="PATH",
@@ -53,6 +62,9 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("mode", "--mode", "pull / push: prefill on --prefill, decode on --decode; aggregated: "
      "whole requests on --decode"),
     ("policy", "--policy", "how an instance is chosen for each request"),
+    ("engine", "--engine", "the instances' engine: auto tells each one's from what it answers "
+     "(disagg: /kv_info; vLLM with NixlConnector or NixlPushConnector: /version); one router "
+     "drives one kind"),
     ("failure_policy", "--failure-policy", "recompute: a request whose prefill instance fails "
      "is prefilled on a decode instance"),
     ("host", "--host", "address to listen on"),
@@ -128,6 +140,10 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     values = {name: getattr(args, name) for name, _, _ in _FLAGS}
     values["api_key"] = resolve_api_key(args.api_key, args.api_key_file)
     values["cluster_token"] = args.cluster_token or env_cluster_token()
+    for spec in args.vllm_side_channel:
+        url, _ = parse_side_channel(spec)
+        normalize_url(url)
+    values["vllm_side_channels"] = tuple(args.vllm_side_channel)
     return RouterConfig(prefill_urls=prefill_urls, decode_urls=decode_urls, **values)
 
 

@@ -1,4 +1,5 @@
-"""The pull flow: P's leg first, then D's, to a decode instance chosen once P is done.
+"""The pull flow: P's leg first, then D's, to a decode instance chosen once P is done; for our
+instances and for vLLM's NixlConnector alike (vllm_params.py: what vLLM's legs say).
 
 Owns moving a pull handoff through its stages (PREFILLING -> LEASED <-> SENT -> DONE) and ending
 it once, whatever ends the request; what ending it at each stage undoes is handoff.py's table.
@@ -15,13 +16,15 @@ from typing import Any
 import aiohttp
 
 from disagg.protocol import KVTransferParams
-from disagg.router.call import Call
+from disagg.router.call import Call, WireParams
 from disagg.router.handoff import Handoff, Stage
+from disagg.router.identity import VLLMIdentity
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool
 from disagg.router.legs import Legs
 from disagg.router.policy import NoHealthyInstanceError
 from disagg.router.relay import BreakdownSource, Relayed, RouteError, breakdown_of
 from disagg.router.retry import RetryBudget
+from disagg.router.vllm_params import VLLMParams
 
 __all__ = ["PullFlow"]
 
@@ -31,7 +34,7 @@ class _Prefilled:
     """Pull: P's answer, on its way to a decode instance."""
 
     handoff: Handoff  # LEASED: P holds the prompt's blocks under a lease
-    d_params: KVTransferParams  # D's leg: P's kv_transfer_params, for the pull connector
+    d_params: WireParams  # D's leg: P's kv_transfer_params, for the pull connector
     breakdown: dict[str, Any] | None  # P's part of the TTFT breakdown
 
 
@@ -65,18 +68,22 @@ class PullFlow:
         them in hand, the handoff ends PREFILLING (P may have leased blocks nobody will read)
         unless P never took the leg."""
         handoff = Handoff(call.request_id, inst, Stage.PREFILLING, lease_id=call.request_id)
-        params = KVTransferParams(do_remote_decode=True, connector="pull")
+        is_vllm = isinstance(inst.identity, VLLMIdentity)
+        ours = KVTransferParams(do_remote_decode=True, connector="pull")
+        params = VLLMParams.prefill() if is_vllm else ours
         try:
             answer = await self.legs.prefill(inst, call, params)
-            p_params = _kv_params_of(answer)
+            d_params = _vllm_params_of(answer) if is_vllm else _kv_params_of(answer)
         except BaseException as exc:
             if isinstance(exc, RouteError) and (exc.unsent or 400 <= exc.status < 500):
                 handoff.advance(Stage.REFUSED)
             handoff.end(self.legs)
             raise
-        handoff.lease_id = p_params.remote_request_id or call.request_id
+        if isinstance(d_params, KVTransferParams):
+            handoff.lease_id = d_params.remote_request_id or call.request_id
+            d_params = replace(d_params, connector="pull")
         handoff.advance(Stage.LEASED)
-        return _Prefilled(handoff, replace(p_params, connector="pull"), breakdown_of(answer))
+        return _Prefilled(handoff, d_params, breakdown_of(answer))
 
     async def _decode(self, call: Call, prefilled: _Prefilled, retries: RetryBudget) -> Relayed:
         """D's leg, relayed to the client; a 4xx from D (only for a request its engine never
@@ -128,6 +135,16 @@ def _kv_params_of(answer: dict[str, Any]) -> KVTransferParams:
         return KVTransferParams.from_dict(raw)
     except (TypeError, ValueError) as exc:
         message = f"prefill answer has invalid kv_transfer_params: {exc}"
+        raise RouteError.of(502, message, leg="prefill") from exc
+
+
+def _vllm_params_of(answer: dict[str, Any]) -> VLLMParams:
+    """vLLM P's kv_transfer_params, checked before D's leg carries them: a D leg lacking a
+    field vLLM's decode side indexes kills its engine core."""
+    try:
+        return VLLMParams.from_prefill_answer(answer.get("kv_transfer_params"))
+    except ValueError as exc:
+        message = f"vLLM prefill answer has unusable kv_transfer_params: {exc}"
         raise RouteError.of(502, message, leg="prefill") from exc
 
 

@@ -1,4 +1,5 @@
-"""The push flow: P and D chosen together and sent their legs at once, P writing into D's blocks.
+"""The push flow: P and D chosen together and sent their legs at once, P writing into D's blocks,
+for our instances and for vLLM's NixlPushConnector alike (vllm_params.py: what vLLM's legs say).
 
 Owns forming a pair (a fresh transfer id naming both), relaying D's stream while P's answer is
 still on its way, and ending the pair's handoff (PAIRED -> DONE | PREFILL_FAILED |
@@ -16,12 +17,14 @@ from typing import Any
 
 import aiohttp
 
-from disagg.router.call import Call, push_params
+from disagg.router.call import Call, WireParams, push_params
 from disagg.router.handoff import Handoff, Stage
-from disagg.router.instances import InstancePool, PoolName
+from disagg.router.identity import VLLMIdentity
+from disagg.router.instances import Instance, InstancePool, PoolName
 from disagg.router.legs import Legs, consume
 from disagg.router.relay import Relayed, RouteError, breakdown_of
 from disagg.router.retry import RetryBudget
+from disagg.router.vllm_params import VLLMParams
 
 __all__ = ["PushFlow"]
 
@@ -85,12 +88,7 @@ class PushFlow:
 
     async def _send_pair(self, call: Call) -> _Pair:
         prefill, decode = self.legs.pick("prefill", call), self.pool.pick("decode")
-        info = await self.legs.kv_identity(prefill, "prefill")
-        d_info = await self.legs.kv_identity(decode, "decode")
-        assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable
-        p_params, d_params = push_params(
-            uuid.uuid4().hex, info.engine_id, info.kv_host, info.kv_port, d_info.engine_id
-        )
+        p_params, d_params = await self._pair_params(call, prefill, decode)
         sent_s = time.monotonic()
         p_task = asyncio.create_task(self.legs.prefill(prefill, call, p_params))
         d_body = call.body_with(d_params)
@@ -98,6 +96,24 @@ class PushFlow:
         in_flight: dict[PoolName, asyncio.Task[Any]] = {"prefill": p_task, "decode": d_task}
         handoff = Handoff(call.request_id, prefill, Stage.PAIRED, decode, in_flight=in_flight)
         return _Pair(handoff, sent_s)
+
+    async def _pair_params(
+        self, call: Call, prefill: Instance, decode: Instance
+    ) -> tuple[WireParams, WireParams]:
+        """(P's, D's) params for one dispatch. Ours: keyed by a fresh transfer id, each leg
+        naming the other instance. vLLM's: paired by the X-Request-Id both legs carry (the
+        router's id, fresh for every dispatch and every pair formed anew), D's naming P."""
+        info = await self.legs.kv_identity(prefill, "prefill")
+        d_info = await self.legs.kv_identity(decode, "decode")
+        if info.engine != d_info.engine:  # the pool lets one kind in; a restart may change it
+            raise RouteError.of(502, f"{prefill.url} is a {info.engine} instance and "
+                                f"{decode.url} a {d_info.engine} one", leg="decode")  # fmt: skip
+        if isinstance(info, VLLMIdentity):
+            return VLLMParams.prefill(), VLLMParams.push_decode(info, call.request_id)
+        assert info.engine_id and info.kv_host and info.kv_port is not None  # is_addressable
+        transfer_id = uuid.uuid4().hex
+        return push_params(transfer_id, info.engine_id, info.kv_host, info.kv_port,
+                           d_info.engine_id)  # fmt: skip
 
     async def _relay(self, call: Call, pair: _Pair, d_resp: aiohttp.ClientResponse) -> Relayed:
         """D's answer to the client, P's breakdown merged in; P failing ends D's read."""

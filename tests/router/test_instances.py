@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from disagg.config import RouterConfig
-from disagg.router.instances import HEALTH_POLL_INTERVAL_S, InstancePool, KVInfo, normalize_url
+from disagg.router.identity import KVInfo
+from disagg.router.instances import HEALTH_POLL_INTERVAL_S, InstancePool, normalize_url
 from tests.router.fakes import ROUTER_TEST_TOKEN, FakeInstance, run_async, running, wait_until
 
 
@@ -58,14 +59,14 @@ def test_kv_info_is_refetched_when_an_instance_comes_back() -> None:
         p, d = FakeInstance("prefill"), FakeInstance("decode")
         async with started_pool(p, d, mode="push", health_interval_s=0.02) as pool:
             prefill = pool.prefill[0]
-            assert prefill.is_healthy and prefill.kv_info is not None
-            assert prefill.kv_info.engine_id.startswith("prefill-")
+            assert prefill.is_healthy and prefill.identity is not None
+            assert prefill.identity.engine_id.startswith("prefill-")
             p.health_status, p.kv_info = 503, {"engine_id": "restarted"}
             await wait_until(lambda: not prefill.is_healthy)
             assert not pool.is_ready()
             p.health_status = 200
             await wait_until(lambda: prefill.is_healthy)
-            assert (await pool.get_kv_info(prefill)).engine_id == "restarted"
+            assert (await pool.get_identity(prefill)).engine_id == "restarted"
             assert pool.is_ready()
 
     run_async(main())
