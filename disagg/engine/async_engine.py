@@ -22,6 +22,7 @@ from typing import Any
 
 from disagg.config import EngineConfig
 from disagg.engine.fences import Fences
+from disagg.engine.native_thread import name_native_thread
 from disagg.protocol import (
     KV_RELEASE_PATH,
     EngineOverloadedError,
@@ -78,8 +79,7 @@ class AsyncEngine:
         self._make_connector = make_connector
         self.exit_on_death = exit_on_death
         self.exit_process = os._exit  # no cleanup: the loop is dead, peers' leases cover us
-        self.model_dir = str(model_dir)
-        self.model_name = config.model_name
+        self.model_dir, self.model_name = str(model_dir), config.model_name
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # engine id -> open stream
@@ -95,8 +95,7 @@ class AsyncEngine:
         self._held: set[str] = set()  # loop thread: engine ids added, not yet seen released
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._dead: str | None = None  # why the loop died
+        self._stopping, self._dead = False, None  # _dead: why the loop died, once it has
         self._load: dict[str, int] = {}
         self.engine: Any = None  # disagg.engine.engine.Engine, built in start()
         self.dtype = config.dtype  # resolved ("auto" -> bfloat16 | float32 ...) in start()
@@ -293,6 +292,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ loop thread
 
     def _run(self) -> None:
+        name_native_thread("engine-loop")  # its CPU time apart from the event loop's
         try:
             while not self._stopping:
                 self._drain_commands()
