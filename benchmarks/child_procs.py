@@ -49,10 +49,10 @@ def proc_status(pid: int) -> dict[str, str]:
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU time of `root` and every process below it, in seconds (a process
     that already exited counts no more: take the difference over a run of live servers)."""
-    return sum(_cpu_seconds(pid) for pid in _tree(root))
+    return sum(_cpu_seconds(pid) for pid in tree_pids(root))
 
 
-def _tree(root: int) -> list[int]:
+def tree_pids(root: int) -> list[int]:
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
