@@ -183,8 +183,26 @@ def format_profile(c: Calibration) -> str:
         f"# {xfer}",
         f"fixed_s = {t.fixed_s:.6g}",
         f"per_descriptor_s = {t.per_descriptor_s:.6g}",
+        "",
+        *_host_lines(on, v),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _host_lines(on: str, v: Any) -> list[str]:
+    """[host]: the cores a one-host deployment's processes share and the serving work around
+    its engines (host_cpu.py), from the serving-path runs' CPU time (measure_serving.py)."""
+    return [
+        "[host]",
+        "# The cores this machine's processes share (os.sched_getaffinity).",
+        f"num_cores = {v.num_cores}",
+        f"# {on}, the serving-path runs' CPU-seconds outside the engine-loop threads (router +",
+        "# client + the instance's event loop), from /proc, solved over two runs of 33 and 2",
+        "# output tokens: per streamed token, per request, and the instance loop's per request",
+        f"token_cpu_s = {v.token_cpu_s:.6g}",
+        f"request_cpu_s = {v.request_cpu_s:.6g}",
+        f"loop_request_cpu_s = {v.loop_request_cpu_s:.6g}",
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

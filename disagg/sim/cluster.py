@@ -31,6 +31,7 @@ from disagg.sim.cost import CostModel
 from disagg.sim.events import EventLoop
 from disagg.sim.fabric import Fabric
 from disagg.sim.hardware import load_profile
+from disagg.sim.host_cpu import CpuShare
 from disagg.sim.instance import SimInstance
 from disagg.sim.kv_worker import SimKVWorker
 from disagg.sim.model_shape import load_shape
@@ -54,6 +55,7 @@ class SimCluster:
     instances: list[SimInstance]
     router: SimRouter
     num_blocks: int
+    cpu: CpuShare
 
     @classmethod
     def build(cls, config: SimConfig) -> SimCluster:
@@ -63,8 +65,9 @@ class SimCluster:
         num_blocks = config.num_blocks or cost.num_blocks(config.block_size)
         loop = EventLoop()
         fabric = Fabric(loop, cost, config.block_size)
+        cpu = CpuShare(loop, cost.hardware.host)
         instances = [
-            _instance(config, cost, loop, fabric, role, index, num_blocks)
+            _instance(config, cost, loop, fabric, role, index, num_blocks, cpu)
             for role, count in _roles(config)
             for index in range(count)
         ]
@@ -78,8 +81,9 @@ class SimCluster:
             max_concurrency=config.max_concurrency,
             request_tokens=config.kv_aware_request_tokens,
             local_prefill_tokens=config.local_prefill_tokens,
+            cpu=cpu,
         )
-        return cls(config, cost, loop, fabric, instances, router, num_blocks)
+        return cls(config, cost, loop, fabric, instances, router, num_blocks, cpu)
 
     def submit_workload(self) -> None:
         cfg = self.config
@@ -142,6 +146,7 @@ def _instance(
     role: str,
     index: int,
     num_blocks: int,
+    cpu: CpuShare,
 ) -> SimInstance:
     engine_id = f"{role}-{index}"
     connector: KVConnectorScheduler | None = None
@@ -165,7 +170,7 @@ def _instance(
     events = KVEventLog() if followed else None
     pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching, events=events)
     scheduler = Scheduler(sched_config, pool, config.block_size, connector=connector)
-    return SimInstance(engine_id, role, scheduler, SimRunner(cost), worker, loop, events)
+    return SimInstance(engine_id, role, scheduler, SimRunner(cost), worker, loop, events, cpu)
 
 
 def _header(config: SimConfig, cluster: SimCluster) -> dict[str, Any]:
@@ -210,6 +215,7 @@ def _sim_figures(cluster: SimCluster, wall_s: float) -> dict[str, Any]:
             "local_prefill_tokens": c.local_prefill_tokens,
             "num_local_prefills": cluster.router.num_local_prefills,
             "num_events": cluster.loop.num_events,
+            "max_cpu_slowdown": cluster.cpu.max_slowdown,
             "wall_s": wall_s,
             "requests_per_wall_s": num_requests / wall_s if wall_s > 0 else None,
         },

@@ -2,7 +2,8 @@
 
 Owns the figures the cost model needs and where they come from (the TOML files cite them).
 A name looks in `disagg/sim/hardware/`; a path reads that file. A profile with a
-`[fitted_step]` section (a measured CPU) prices steps with that form instead of the roofline.
+`[fitted_step]` section (a measured CPU) prices steps with that form instead of the roofline;
+one with `[host]` shares its cores among the deployment's processes (host_cpu.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.sim.fitted_step import FittedStep
+from disagg.sim.host_cpu import HostCpu
 
 __all__ = ["HardwareProfile", "list_profiles", "load_profile"]
 
@@ -46,6 +48,9 @@ class HardwareProfile:
     # detokenizes and writes SSE in the engine's process); 0 where that runs elsewhere.
     output_token_s: float = 0.0
     fitted_step: FittedStep | None = None  # measured CPU step form; None = the roofline
+    # The cores one host's processes share and the serving work around the engine (a measured
+    # CPU profile's [host]); None = processes never wait for a core (a GPU host).
+    host: HostCpu | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,6 +77,9 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
         if section == "fitted_step":
             flat["fitted_step"] = FittedStep(**values)
             continue
+        if section == "host":
+            flat["host"] = HostCpu(**values)
+            continue
         prefix = "setup_" if section == "kv_setup" else ""
         flat.update({prefix + key: value for key, value in values.items()})
     return flat
@@ -86,7 +94,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     flat = _flatten(tomllib.loads(path.read_text()))
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(flat) - known)
-    missing = sorted(known - set(flat) - {"copy_in_post", "output_token_s", "fitted_step"})
+    optional = {"copy_in_post", "output_token_s", "fitted_step", "host"}
+    missing = sorted(known - set(flat) - optional)
     if unknown or missing:
         raise ValueError(f"hardware {path.name}: unknown keys {unknown}, missing keys {missing}")
     return HardwareProfile(**flat)

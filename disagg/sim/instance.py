@@ -17,6 +17,7 @@ from disagg.engine.scheduler import Scheduler
 from disagg.engine.step import EngineStep
 from disagg.protocol import RequestOutput
 from disagg.sim.events import EventLoop
+from disagg.sim.host_cpu import CpuShare
 from disagg.sim.kv_worker import SimKVWorker
 from disagg.sim.runner import SimRunner
 
@@ -36,6 +37,7 @@ class SimInstance:
         worker: SimKVWorker | None,
         loop: EventLoop,
         kv_events: KVEventLog | None = None,
+        cpu: CpuShare | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.role = role  # "prefill" | "decode" | "both"
@@ -44,9 +46,10 @@ class SimInstance:
         self.worker = worker
         self.loop = loop
         self.kv_events = kv_events  # what the pool's prefix cache holds, for kv_aware routing
+        self.cpu = cpu or CpuShare(loop, None)  # the host's cores, shared with the others
         self.stepper = EngineStep(scheduler, worker)
         self.on_outputs: OutputSink = lambda instance, outputs: None
-        self.busy_s = 0.0  # virtual time spent stepping (model + loop-blocking KV setup)
+        self.busy_s = 0.0  # CPU time of its steps (model + loop-blocking KV setup)
         self.stalled_s = 0.0  # of which: KV setup on the loop
         self._is_stepping = False  # a step is scheduled or running
         self._is_woken = False  # something arrived while stepping: step again after
@@ -73,10 +76,11 @@ class SimInstance:
         self._is_woken = False
         sched = self.stepper.begin(self.loop.now_s)
         stall_s = self._take_stall_s()
-        duration_s = stall_s + self.runner.duration_s(sched)
-        self.busy_s += duration_s
+        work_s = stall_s + self.runner.duration_s(sched)
+        self.busy_s += work_s
         self.stalled_s += stall_s
-        self.loop.after(duration_s, lambda: self._end_step(sched))
+        # On a crowded host the engine thread takes its turn on the cores (host_cpu.py).
+        self.cpu.run(work_s, lambda: self._end_step(sched))
 
     def _end_step(self, sched: SchedulerOutput) -> None:
         runner_out = self.runner.execute(sched)

@@ -39,6 +39,11 @@ class SimKVWorker(KVConnectorWorker):
     def _start_load(self, meta: KVConnectorMeta) -> None:
         """`start_load`'s work; loop time it spends goes into `loop_busy_s`."""
 
+    def charge_loop_s(self, busy_s: float) -> None:
+        """Engine-loop time spent outside `start_load` (a call handled in the same
+        interpreter): taken as stall by the instance's next step (none if it is idle)."""
+        self._loop_busy_untaken_s += busy_s
+
     def take_loop_busy_s(self) -> float:
         """Loop time spent in `start_load` since the last call (the instance's stall)."""
         busy_s, self._loop_busy_untaken_s = self._loop_busy_untaken_s, 0.0

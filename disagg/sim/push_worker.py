@@ -74,8 +74,11 @@ class SimPushWorker(SimKVWorker):
         self, tid: str, decode_id: str, request_id: str, block_ids: list[int], first_block: int
     ) -> None:
         """The writer prepares descriptors from now on, while the prefill runs (D's side of
-        each run is known; P's is not yet, so the count is D's)."""
+        each run is known; P's is not yet, so the count is D's). Handling the call is P's
+        event-loop work, which takes turns with P's engine loop in one interpreter."""
         cost = self.fabric.cost
+        if cost.hardware.host is not None:
+            self.charge_loop_s(cost.hardware.host.loop_request_cpu_s)
         num_descriptors = cost.num_descriptors(block_ids, block_ids)
         prepared_s = self.now_s + num_descriptors * cost.hardware.setup_per_descriptor_s
         self._registrations[tid] = _Registration(

@@ -25,6 +25,7 @@ from disagg.protocol import FinishReason, KVTransferParams, RequestOutput, Sampl
 from disagg.router.kv_index import KV_AWARE_INDEX_BLOCKS, KVIndex, with_cached_tokens
 from disagg.router.policy import InstanceView, Load, Policy, make_policy, uncached_at_pick
 from disagg.sim.events import EventLoop
+from disagg.sim.host_cpu import CpuShare
 from disagg.sim.instance import SimInstance
 
 __all__ = ["ClientRequest", "SimRouter"]
@@ -68,8 +69,10 @@ class SimRouter:
         max_concurrency: int | None = None,
         request_tokens: int = 16,
         local_prefill_tokens: int = 0,
+        cpu: CpuShare | None = None,
     ) -> None:
         self.mode = mode
+        self.cpu = cpu or CpuShare(loop, None)  # legs and streamed tokens cost the host CPU
         self.prefill = [i for i in instances if i.role in ("prefill", "both")]
         self.decode = [i for i in instances if i.role == "decode"]
         self.loop = loop
@@ -93,8 +96,7 @@ class SimRouter:
     # ------------------------------------------------------------------ intake
 
     def submit(self, request: ClientRequest) -> None:
-        """The client sends `request` now."""
-        request.result.start_s = self.loop.now_s
+        """The client has `request` to send now (it waits for a slot under max_concurrency)."""
         self.requests[request.request_id] = request
         if self.max_concurrency is not None and self._num_in_flight >= self.max_concurrency:
             self._queued.append(request)
@@ -102,6 +104,8 @@ class SimRouter:
         self._dispatch(request)
 
     def _dispatch(self, request: ClientRequest) -> None:
+        # The bench client's clock starts when the request is sent, after its slot is free.
+        request.result.start_s = self.loop.now_s
         self._num_in_flight += 1
         if self.mode == "aggregated":
             self._send(self._choose(self.prefill, request), request, request.output_len, None)
@@ -186,6 +190,7 @@ class SimRouter:
     ) -> None:
         """One leg: reaches the instance one hop from now."""
         self._num_pending[instance.engine_id] += 1
+        self.cpu.note_request(self.loop.now_s)
         leg = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -230,6 +235,7 @@ class SimRouter:
         result = request.result
         if output.new_token_ids:
             result.token_times_s.append(now)
+            self.cpu.note_tokens(now, len(output.new_token_ids))
             if request.output_ids is not None:
                 request.output_ids.extend(output.new_token_ids)
         if output.finish_reason is None:
