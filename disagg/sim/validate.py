@@ -1,9 +1,12 @@
-"""`disagg sim [flags] validate --sweep SWEEP.json`: predict every point of a measured bench
-sweep and compare medians. Held out: nothing here feeds back into a profile.
+"""`disagg sim [flags] validate --sweep A.json [B.json ...]`: predict every point of measured bench
+sweeps and compare with their mean, in percent and in units of the real run-to-run spread.
 
-Each measured entry's own workload (prompts, lengths, seed, rate) is simulated on the
-deployment the sim's flags describe; the output lists {mode, request_rate, input_len, metric,
-measured, predicted, error} for median TTFT and median TPOT, TTFT rows with both breakdowns.
+Several sweeps of the same grid (same seeds, run at different hours) give each point a mean
+and a band (min..max over the sweeps): a prediction inside the band is as good as a rerun.
+Each point's own workload (prompts, lengths, seed, rate) is simulated once on the deployment the
+sim's flags describe. Rows: {mode, request_rate, input_len, metric, measured (the mean),
+measured_min, measured_max, predicted, error, in_band, spread_units}; TTFT rows carry both
+breakdowns. Held out: nothing here feeds back into a profile.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 from disagg.sim.sim_config import SimConfig
 from disagg.sim.sweep import simulate_point
 
-__all__ = ["add_arguments", "compare", "run", "summarize"]
+__all__ = ["add_arguments", "compare", "group_points", "run", "summarize"]
 
 METRICS = ("median_ttft_ms", "median_tpot_ms")
+_KEY = ("mode", "request_rate", "input_len")
 
 
 def _predict(base: SimConfig, measured: dict[str, Any]) -> dict[str, Any]:
@@ -35,46 +39,80 @@ def _predict(base: SimConfig, measured: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def compare(measured: dict[str, Any], predicted: dict[str, Any]) -> list[dict[str, Any]]:
+def group_points(sweeps: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """The runs of each point, one per sweep that has it, in the first sweep's order."""
+    keyed: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for sweep in sweeps:
+        for entry in sweep:
+            keyed.setdefault(tuple(str(entry[k]) for k in _KEY), []).append(entry)
+    return list(keyed.values())
+
+
+def compare(runs: list[dict[str, Any]], predicted: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per metric: the prediction against the runs' mean and band."""
     rows = []
+    first = runs[0]
     for metric in METRICS:
-        row: dict[str, Any] = {k: measured[k] for k in ("mode", "request_rate", "input_len")}
-        m, p = float(measured[metric]), float(predicted[metric])
-        row |= {"metric": metric, "measured": m, "predicted": p, "error": p / m - 1}
+        values = [float(r[metric]) for r in runs]
+        mean, low, high = statistics.fmean(values), min(values), max(values)
+        p = float(predicted[metric])
+        half_range = (high - low) / 2
+        row: dict[str, Any] = {k: first[k] for k in _KEY}
+        row |= {"metric": metric, "measured": mean, "measured_min": low, "measured_max": high,
+                "num_runs": len(values), "predicted": p, "error": p / mean - 1,
+                "in_band": low <= p <= high,
+                "spread_units": (p - mean) / half_range if half_range > 0 else None}  # fmt: skip
         if metric == "median_ttft_ms":
-            row["stages_measured_ms"] = measured.get("mean_breakdown_ms", {})
+            row["stages_measured_ms"] = first.get("mean_breakdown_ms", {})
             row["stages_predicted_ms"] = predicted.get("mean_breakdown_ms", {})
         rows.append(row)
     return rows
 
 
-def summarize(rows: list[dict[str, Any]]) -> str:
+def _line(r: dict[str, Any]) -> str:
+    units = "-" if r["spread_units"] is None else f"{r['spread_units']:+.1f}"
+    return (f"| {r['mode']} | {r['request_rate']} | {r['input_len']} | {r['metric']} "
+            f"| {r['measured']:.1f} | {r['measured_min']:.1f}-{r['measured_max']:.1f} "
+            f"| {r['predicted']:.1f} | {r['error']:+.0%} | {units} |")  # fmt: skip
+
+
+def _summary(label: str, rows: list[dict[str, Any]]) -> str:
     errors = [abs(r["error"]) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    lines = ["| mode | rate | input | metric | measured | predicted | error |", "|" + "---|" * 7]
-    for r in rows:
-        lines.append(
-            f"| {r['mode']} | {r['request_rate']} | {r['input_len']} | {r['metric']} "
-            f"| {r['measured']:.1f} | {r['predicted']:.1f} | {r['error']:+.0%} |"
-        )
-    lines.append(
-        f"\nmedian |error| {statistics.median(errors):.1%}; worst {abs(worst['error']):.1%} "
-        f"({worst['mode']}, rate {worst['request_rate']}, input {worst['input_len']}, "
-        f"{worst['metric']}); {sum(e <= 0.3 for e in errors)}/{len(errors)} points within 30%"
-    )
+    in_band = sum(r["in_band"] for r in rows)
+    signed = statistics.median(r["error"] for r in rows)
+    return (f"| {label} | {len(rows)} | {statistics.median(errors):.1%} | {max(errors):.1%} "
+            f"| {signed:+.1%} | {sum(e <= 0.3 for e in errors)} | {in_band} |")  # fmt: skip
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """The table of every row, then per mode and over all: median and worst |error|, signed
+    median, rows within 30%, rows inside the measured band."""
+    lines = ["| mode | rate | input | metric | measured mean | measured min-max | predicted "
+             "| error | spread units |", "|" + "---|" * 9]  # fmt: skip
+    lines += [_line(r) for r in rows]
+    lines += ["", "| rows | n | median abs error | worst | signed median | within 30% "
+              "| inside the band |", "|" + "---|" * 7]  # fmt: skip
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        lines.append(_summary(mode, [r for r in rows if r["mode"] == mode]))
+    lines.append(_summary("all", rows))
+    runs = max(r["num_runs"] for r in rows)
+    lines.append(f"\nmeasured: the mean of {runs} sweep(s) per point; the band is their "
+                 "min-max; spread units: (predicted - mean) / half the band")  # fmt: skip
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sweep", required=True, help="a `disagg bench sweep` JSON list")
+    parser.add_argument("--sweep", required=True, nargs="+", action="extend",
+                        help="`disagg bench sweep` JSON lists of one grid (several: their "
+                        "mean and spread)")  # fmt: skip
     parser.add_argument("--out", required=True, help="write the comparison rows here")
 
 
 def run(args: argparse.Namespace, base: SimConfig) -> int:
-    measured_runs = json.loads(Path(args.sweep).read_text())
+    sweeps = [json.loads(Path(path).read_text()) for path in args.sweep]
     rows = []
-    for measured in measured_runs:
-        rows += compare(measured, _predict(base, measured))
+    for runs in group_points(sweeps):
+        rows += compare(runs, _predict(base, runs[0]))
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     print(summarize(rows))
     return 0

@@ -53,14 +53,35 @@ def test_validate_predicts_each_measured_point(tmp_path: Path, capsys) -> None: 
     assert [r["metric"] for r in rows] == ["median_ttft_ms", "median_tpot_ms"]
     for row in rows:  # the sim predicting its own run: same seed, same answer
         assert row["predicted"] == pytest.approx(row["measured"]) and row["error"] == 0
-    assert "median |error| 0.0%" in capsys.readouterr().out
+        assert row["in_band"] and row["num_runs"] == 1
+    assert "| all | 2 | 0.0% | 0.0% | +0.0% | 2 | 2 |" in capsys.readouterr().out
+
+
+def test_validate_takes_the_mean_and_band_of_several_sweeps(tmp_path: Path) -> None:
+    """Two sweeps of one grid: each point is predicted once and compared with their mean; a
+    prediction between the two runs is inside the band."""
+    sweep = tmp_path / "a.json"
+    argv = ["sim", *_FLAGS, "sweep", "--modes", "aggregated", "--request-rates", "2"]
+    assert main([*argv, "--input-lens", "128", "--out", str(sweep), "--keep-per-request"]) == 0
+    (run,) = json.loads(sweep.read_text())
+    slower = {**run, "median_ttft_ms": run["median_ttft_ms"] * 3, "median_tpot_ms": 1e-3}
+    (tmp_path / "b.json").write_text(json.dumps([slower]))
+    out = tmp_path / "validation.json"
+    argv = ["sim", *_FLAGS, "validate", "--sweep", str(sweep), str(tmp_path / "b.json")]
+    assert main([*argv, "--out", str(out)]) == 0
+    ttft, tpot = json.loads(out.read_text())
+    assert ttft["num_runs"] == 2 and ttft["measured"] == pytest.approx(2 * run["median_ttft_ms"])
+    assert ttft["error"] == pytest.approx(-0.5) and ttft["in_band"]
+    assert ttft["spread_units"] == pytest.approx(-1.0)  # at the band's low end
+    assert tpot["in_band"] and tpot["spread_units"] == pytest.approx(1.0)
 
 
 def test_compare_and_summary_report_relative_error() -> None:
     measured = {"mode": "push", "request_rate": 1.0, "input_len": 64}
     measured |= {"median_ttft_ms": 100.0, "median_tpot_ms": 10.0, "mean_breakdown_ms": {"queue": 1}}
     predicted = {"median_ttft_ms": 120.0, "median_tpot_ms": 9.0, "mean_breakdown_ms": {}}
-    rows = compare(measured, predicted)
+    rows = compare([measured], predicted)
     assert [round(r["error"], 6) for r in rows] == [0.2, -0.1]
     assert rows[0]["stages_measured_ms"] == {"queue": 1}
-    assert "worst 20.0% (push, rate 1.0, input 64, median_ttft_ms)" in summarize(rows)
+    assert not rows[0]["in_band"] and rows[0]["spread_units"] is None  # one run: no spread
+    assert "| push | 2 | 15.0% | 20.0% | +5.0% | 2 | 0 |" in summarize(rows)
