@@ -90,6 +90,8 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
     for s in (
         _shape("SmolLM2-135M", 576, 30, 9, 3, 64, 1536, 49152, True),
         _shape("Qwen3-8B", 4096, 36, 32, 8, 128, 12288, 151936, False),
+        # Llama-3.1-8B's config.json (Meta-Llama-3-8B has the same shape).
+        _shape("Llama-3.1-8B", 4096, 32, 32, 8, 128, 14336, 128256, False),
         _shape("Qwen3-32B", 5120, 64, 64, 8, 128, 25600, 151936, False),
         _shape("Llama-3-70B", 8192, 80, 64, 8, 128, 28672, 128256, False),
     )
