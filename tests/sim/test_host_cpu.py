@@ -68,12 +68,13 @@ def test_host_figures_are_checked() -> None:
 
 
 def _profile_with_host(tmp_path: Path, num_cores: int) -> str:
-    """cpu-dev's figures, plus a [host] of `num_cores` cores and some serving work."""
+    """cpu-dev's figures with a [host] of `num_cores` cores and some serving work (0: none)."""
     from disagg.sim.hardware import _PROFILE_DIR
 
-    text = (_PROFILE_DIR / "cpu-dev.toml").read_text()
-    text += f"\n[host]\nnum_cores = {num_cores}\ntoken_cpu_s = 5e-4\nrequest_cpu_s = 1e-3\n"
-    text += "loop_request_cpu_s = 5e-4\n"
+    text = (_PROFILE_DIR / "cpu-dev.toml").read_text().split("[host]")[0]  # its own, if any
+    if num_cores:
+        text += f"\n[host]\nnum_cores = {num_cores}\ntoken_cpu_s = 5e-4\nrequest_cpu_s = 1e-3\n"
+        text += "loop_request_cpu_s = 5e-4\n"
     path = tmp_path / f"host{num_cores}.toml"
     path.write_text(text)
     return str(path)
@@ -88,7 +89,7 @@ def test_a_crowded_host_stretches_steps(tmp_path: Path, mode: str) -> None:
                        num_decode=2 if mode == "aggregated" else 1)  # fmt: skip
     crowded, _ = simulate(replace(base, hardware=_profile_with_host(tmp_path, 1)))
     roomy, _ = simulate(replace(base, hardware=_profile_with_host(tmp_path, 64)))
-    alone, _ = simulate(replace(base, hardware="cpu-dev"))
+    alone, _ = simulate(replace(base, hardware=_profile_with_host(tmp_path, 0)))
     # plenty of cores: as without [host] (push's registrations still cost P's loop a little)
     assert roomy["median_e2el_ms"] == pytest.approx(alone["median_e2el_ms"], rel=0.01)
     assert crowded["median_e2el_ms"] > 1.5 * roomy["median_e2el_ms"]
