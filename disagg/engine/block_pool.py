@@ -84,7 +84,7 @@ class BlockPool:
         for block_id in block_ids:
             del free[block_id]
             refs[block_id] = 1
-        evicted = [h for h in (hash_of.pop(b, None) for b in block_ids) if h is not None]
+        evicted = [h for b in block_ids if (h := hash_of.pop(b, None)) is not None]
         for block_hash in evicted:
             del block_of[block_hash]
         if evicted and self.events is not None:
@@ -94,14 +94,15 @@ class BlockPool:
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block. Pass a request's blocks in order: they are
         queued tail first, so the end of a sequence is evicted before its shared prefix."""
+        refs, free, hash_of = self._ref_counts, self._free, self._hash_of
         for block_id in reversed(block_ids):
-            count = self._ref_counts[block_id]
+            count = refs[block_id]
             assert count > 0, f"free of block {block_id} with ref count {count}"
-            self._ref_counts[block_id] = count - 1
+            refs[block_id] = count - 1
             if count == 1:
-                self._free[block_id] = None
-                if block_id not in self._hash_of:
-                    self._free.move_to_end(block_id, last=False)  # reuse uncached ones first
+                free[block_id] = None
+                if block_id not in hash_of:
+                    free.move_to_end(block_id, last=False)  # reuse uncached ones first
 
     def lookup(self, block_hashes: list[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `block_hashes` (not referenced yet)."""
@@ -133,16 +134,23 @@ class BlockPool:
         if not self.enable_caching:
             return
         hash_of, block_of = self._hash_of, self._block_of
-        fresh = [
-            (block_id, block_hash)
-            for block_id, block_hash in zip(block_ids, block_hashes, strict=True)
-            if block_id not in hash_of and block_hash not in block_of
-        ]
-        assert all(self._ref_counts[b] > 0 for b, _ in fresh), "caching an unreferenced block"
+        # The caller's blocks are its own (referenced); one C-level scan, not a generator.
+        assert 0 not in map(self._ref_counts.__getitem__, block_ids), "caching a free block"
         # Built from the pairs reversed, so of two blocks under one hash the first is kept.
-        published = {block_hash: block_id for block_id, block_hash in reversed(fresh)}
+        if hash_of.keys().isdisjoint(block_ids) and block_of.keys().isdisjoint(block_hashes):
+            # The common case, a new prompt's blocks: checked and built in C (a 16k-token
+            # prompt publishes 1,024 at once, on prefill and decode alike).
+            published = dict(zip(reversed(block_hashes), reversed(block_ids), strict=True))
+        else:
+            published = {
+                block_hash: block_id
+                for block_id, block_hash in reversed(
+                    list(zip(block_ids, block_hashes, strict=True))
+                )
+                if block_id not in hash_of and block_hash not in block_of
+            }
         block_of.update(published)
-        hash_of.update((block_id, block_hash) for block_hash, block_id in published.items())
+        hash_of.update(zip(published.values(), published.keys(), strict=True))
         if published and self.events is not None:
             self.events.stored(list(published))
 

@@ -27,7 +27,9 @@ class KVCacheManager:
 
     def grow(self, request: Request, num_new: int) -> None:
         """Give the request blocks for `num_new` more tokens (the caller checked can_grow)."""
-        request.block_ids.extend(self.block_pool.allocate(self._blocks_to_grow(request, num_new)))
+        num_blocks = self._blocks_to_grow(request, num_new)
+        if num_blocks:  # most decode steps fit in the last block: no pool call at all
+            request.block_ids.extend(self.block_pool.allocate(num_blocks))
 
     def allocate_for_prompt(self, request: Request) -> bool:
         """Decode side of a disaggregated request: blocks for the whole prompt plus the first
