@@ -23,6 +23,8 @@ from typing import Any
 
 from child_procs import HOST, die_with_parent, tree_cpu_seconds, tree_pids
 
+from disagg.bench import thread_cpu
+
 __all__ = ["EXTRA_SYSTEMS", "SYSTEMS", "System", "make_system", "prometheus_samples",
            "thread_cpu_seconds", "vllm_instance"]  # fmt: skip
 
@@ -206,19 +208,16 @@ def thread_cpu_seconds(system: System) -> dict[str, dict[str, float]]:
     """Per process (role), CPU-seconds so far of each thread of its tree, keyed `name [tid]`
     (`main` for a process's first thread): vLLM names every thread of its engine core alike."""
     out: dict[str, dict[str, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for proc in system.procs:
         assert proc.popen is not None
         threads: dict[str, float] = {}
         for pid in tree_pids(proc.popen.pid):
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    head, _, rest = (task / "stat").read_text().rpartition(")")
-                except OSError:
-                    continue
-                name = "main" if task.name == str(pid) else head.split("(", 1)[1]
-                fields = rest.split()
-                threads[f"{name} [{task.name}]"] = (int(fields[11]) + int(fields[12])) / tick
+            try:
+                found = thread_cpu.thread_cpu_seconds(pid)
+            except OSError:  # exited since it was listed
+                continue
+            for tid, (name, seconds) in found.items():
+                threads[f"{'main' if tid == pid else name} [{tid}]"] = seconds
         out[proc.role] = threads
     return out
 

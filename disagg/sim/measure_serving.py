@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.bench.thread_cpu import thread_cpu_seconds
+
 __all__ = ["ServingFit", "measure_serving"]
 
 _PROMPT_LEN = 256
@@ -70,19 +72,8 @@ class _CpuSpent:
 
 def _cpu_s(pid: int) -> tuple[float, float]:
     """(the whole process, its `engine-loop` thread) CPU-seconds so far, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = engine = 0.0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                head, _, rest = f.read().rpartition(")")
-        except OSError:
-            continue
-        fields = rest.split()
-        spent = (int(fields[11]) + int(fields[12])) / tick
-        total += spent
-        engine += spent if head.endswith("(engine-loop") else 0.0
-    return total, engine
+    threads = thread_cpu_seconds(pid).values()
+    return sum(s for _, s in threads), sum(s for name, s in threads if name == "engine-loop")
 
 
 def _tiny_checkpoint(root: Path) -> Path:
