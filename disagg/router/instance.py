@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yarl
 
 from disagg.router.breaker import CircuitBreaker
-from disagg.router.identity import Identity
+from disagg.router.identity import Identity, VLLMIdentity
 from disagg.router.policy import InstanceRole, InstanceView, Load
 
 __all__ = ["Instance", "Source", "normalize_url"]
@@ -49,6 +49,11 @@ class Instance:
     source: Source = "static"
     is_draining: bool = False  # finishing what it has; no new work goes to it
     last_heartbeat_s: float | None = None  # monotonic; registered instances only
+
+    @property
+    def is_vllm(self) -> bool:
+        """Identified as a vLLM instance (its legs, load and aborts are vLLM's)."""
+        return isinstance(self.identity, VLLMIdentity)
 
     @property
     def takes_work(self) -> bool:

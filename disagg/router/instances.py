@@ -301,7 +301,7 @@ class InstancePool:
     async def _probe_load(self, inst: Instance, timeout_s: float) -> bool:
         """Refresh `inst.load`; False when the instance could not be reached at all."""
         try:
-            if isinstance(inst.identity, VLLMIdentity):  # its /load is not ours: its gauges
+            if inst.is_vllm:  # its /load is not ours: its gauges
                 load = load_from_vllm_metrics(await self._get_text(inst, "/metrics", timeout_s))
             else:
                 load = Load.from_dict(await self._get_json(inst, "/load", timeout_s))

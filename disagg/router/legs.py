@@ -20,7 +20,7 @@ import aiohttp
 from disagg.config import RouterConfig
 from disagg.protocol import KV_RELEASE_PATH
 from disagg.router.call import Call, WireParams, prefill_body
-from disagg.router.identity import Identity, VLLMIdentity
+from disagg.router.identity import Identity
 from disagg.router.instances import Instance, InstancePool, PoolName
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policy import NoHealthyInstanceError
@@ -223,14 +223,14 @@ class Legs:
         """POST /v1/abort in the background: it must land even if this handler is cancelled.
         vLLM has no such route: dropping a leg's connection is its abort, which the handoff's
         cut (or the cancelled handler) already did."""
-        if _is_vllm(inst):
+        if inst.is_vllm:
             return
         self.keep(asyncio.create_task(self._post_internal(inst, "/v1/abort", request_id)))
 
     def release(self, inst: Instance, request_id: str) -> None:
         """Pull: tell P that no decode instance read its lease, so the blocks go now. vLLM
         has no such route: its lease ends on its own (30 s), or when D's abort tells P."""
-        if _is_vllm(inst):
+        if inst.is_vllm:
             return
         self.keep(asyncio.create_task(self._post_internal(inst, KV_RELEASE_PATH, request_id)))
 
@@ -242,7 +242,7 @@ class Legs:
         nobody else would (D may have been cut off while reading the leg). When D holds the
         request, or the answer does not come, D's own release or the lease's end frees it.
         vLLM fences nothing: the cut leg was its abort, and P's lease ends on its own."""
-        if _is_vllm(decode):
+        if decode.is_vllm:
             return
         self.keep(
             asyncio.create_task(self._fence_then_release(decode, request_id, prefill, lease_id))
@@ -299,10 +299,6 @@ class Legs:
         aborts only when signed with the cluster token, for them, once (a fresh nonce each
         time: a retry is signed anew). `request_id`: the X-Request-Id the leg carries."""
         return auth.json_headers(self.cfg.cluster_token, url, data, request_id=request_id)
-
-
-def _is_vllm(inst: Instance) -> bool:
-    return isinstance(inst.identity, VLLMIdentity)
 
 
 def consume(task: asyncio.Future[Any]) -> None:

@@ -18,7 +18,6 @@ import aiohttp
 from disagg.protocol import KVTransferParams
 from disagg.router.call import Call, WireParams
 from disagg.router.handoff import Handoff, Stage
-from disagg.router.identity import VLLMIdentity
 from disagg.router.instances import LATE_BINDING_TIMEOUT_S, Instance, InstancePool
 from disagg.router.legs import Legs
 from disagg.router.policy import NoHealthyInstanceError
@@ -68,7 +67,7 @@ class PullFlow:
         them in hand, the handoff ends PREFILLING (P may have leased blocks nobody will read)
         unless P never took the leg."""
         handoff = Handoff(call.request_id, inst, Stage.PREFILLING, lease_id=call.request_id)
-        is_vllm = isinstance(inst.identity, VLLMIdentity)
+        is_vllm = inst.is_vllm
         ours = KVTransferParams(do_remote_decode=True, connector="pull")
         params = VLLMParams.prefill() if is_vllm else ours
         try:
