@@ -63,10 +63,21 @@ def compare(runs: list[dict[str, Any]], predicted: dict[str, Any]) -> list[dict[
                 "in_band": low <= p <= high,
                 "spread_units": (p - mean) / half_range if half_range > 0 else None}  # fmt: skip
         if metric == "median_ttft_ms":
-            row["stages_measured_ms"] = first.get("mean_breakdown_ms", {})
+            row["stages_measured_ms"] = _mean_stages(runs)
             row["stages_predicted_ms"] = predicted.get("mean_breakdown_ms", {})
         rows.append(row)
     return rows
+
+
+def _mean_stages(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each TTFT stage's mean over the runs that report it, as `measured` is the runs' mean."""
+    names = dict.fromkeys(name for r in runs for name in r.get("mean_breakdown_ms", {}))
+    return {
+        name: statistics.fmean(
+            r["mean_breakdown_ms"][name] for r in runs if name in r.get("mean_breakdown_ms", {})
+        )
+        for name in names
+    }
 
 
 def _line(r: dict[str, Any]) -> str:

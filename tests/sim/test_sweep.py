@@ -85,3 +85,17 @@ def test_compare_and_summary_report_relative_error() -> None:
     assert rows[0]["stages_measured_ms"] == {"queue": 1}
     assert not rows[0]["in_band"] and rows[0]["spread_units"] is None  # one run: no spread
     assert "| push | 2 | 15.0% | 20.0% | +5.0% | 2 | 0 |" in summarize(rows)
+
+
+def test_compare_gives_the_stages_mean_over_runs_like_the_figures() -> None:
+    """The measured stages of a TTFT row are the runs' mean, as its `measured` is: one
+    sweep's breakdown beside several sweeps' mean would not add up."""
+    point = {"mode": "pull", "request_rate": 1.0, "input_len": 64, "median_tpot_ms": 10.0}
+    runs = [
+        point | {"median_ttft_ms": 100.0, "mean_breakdown_ms": {"queue": 1.0, "prefill": 90.0}},
+        point | {"median_ttft_ms": 140.0, "mean_breakdown_ms": {"queue": 3.0}},
+    ]
+    predicted = {"median_ttft_ms": 120.0, "median_tpot_ms": 10.0, "mean_breakdown_ms": {}}
+    ttft = compare(runs, predicted)[0]
+    assert ttft["measured"] == pytest.approx(120.0)
+    assert ttft["stages_measured_ms"] == {"queue": 2.0, "prefill": 90.0}
